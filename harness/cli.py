@@ -1,0 +1,225 @@
+"""The harness command line: parse, call, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import EXIT_INTERRUPTED, HarnessError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="harness")
+def cli() -> None:
+    """Measure how LLM inference uses this machine: prefill vs decode on synthetic models."""
+
+
+@cli.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
+    """List every model spec: shapes, parameters, sizes and bytes per token."""
+    if ctx.invoked_subcommand:
+        return
+    from .specs import all_specs
+    from .tables import models_rows, render_models_table
+
+    rows = models_rows(all_specs())
+    click.echo(json.dumps(rows, indent=1) if as_json else render_models_table(rows))
+
+
+@models.command("import")
+@click.argument("config")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Spec file to write (default: models/NAME.yaml).")
+@click.option("--name", help="Spec name (default: from the repo id or folder).")
+@click.option("--force", is_flag=True, help="Overwrite an existing spec file.")
+def models_import(config: str, out: Path | None, name: str | None, force: bool) -> None:
+    """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id)."""
+    from .build import write_text_atomically
+    from .hfimport import load_config, render_spec_yaml, spec_dict_from_config
+    from .specs import models_dir
+
+    data, default_name, source = load_config(config)
+    spec = spec_dict_from_config(data, name or default_name, source, config)
+    out = out or models_dir() / f"{spec['name']}.yaml"
+    if out.exists() and not force:
+        raise HarnessError("spec file exists already", source=str(out),
+                           fix="pass --force to overwrite or -o to write elsewhere")
+    write_text_atomically(out, render_spec_yaml(spec))
+    click.echo(str(out))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--dtype", default="f32", show_default=True, help="Weight type, e.g. f16, q4_k_m.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write here instead of the cache.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path | None) -> None:
+    """Write a random-weight GGUF of MODEL (a spec name or spec file) and print its path."""
+    from .build import build as build_model
+    from .dtypes import get_dtype
+    from .specs import resolve_spec
+
+    spec, kind = resolve_spec(model), get_dtype(dtype, key="--dtype")
+    with _ByteProgress(f"building {spec.name} {kind.name}") as bar:
+        built = build_model(spec, kind, seed, directory=cache_dir, out=out, progress=bar.update)
+    note = "cached" if built.cached else f"built in {built.seconds:.1f} s"
+    click.echo(f"{built.path}", nl=True)
+    click.echo(f"{spec.name} {kind.name}: {built.n_bytes / 2**30:.3f} GiB, {note}", err=True)
+
+
+@cli.command()
+@click.argument("scenario", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Run directory (default: reports/runs/NAME-TIMESTAMP).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run, skipping what it has.")
+@click.option("--strict", is_flag=True, help="Abort when other processes load the CPU.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
+        cache_dir: Path | None) -> None:
+    """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
+    from .env import collect_env, physical_cores
+    from .results import RunWriter
+    from .runner import Console, run_scenario
+    from .scenario import load_scenario
+    from .tables import render_summary
+
+    plan = load_scenario(scenario, physical_cores())
+    run_dir = out or default_run_dir(plan.name, resume)
+    env_info = collect_env()
+    with RunWriter(run_dir, resume=resume) as writer:
+        done = len(writer.records.measured_ids & {m.id for m in plan.measurements})
+        click.echo(f"{plan.title}: {len(plan.measurements)} measurements ({done} done) "
+                   f"-> {run_dir}", err=True)
+        with click.progressbar(length=len(plan.measurements), label="measuring",
+                               show_eta=True, show_pos=True, file=sys.stderr) as bar:
+            bar.update(done)
+            console = Console(warn=lambda msg: click.echo(f"\nwarning: {msg}", err=True),
+                              info=lambda msg: click.echo(f"\n{msg}", err=True),
+                              advance=lambda record: bar.update(1))
+            try:
+                _interruptible(lambda: run_scenario(plan, writer, env_info, strict=strict,
+                                                    cache_dir=cache_dir, console=console,
+                                                    argv=sys.argv))
+            except (KeyboardInterrupt, HarnessError) as exc:
+                n = len(writer.records.measured_ids)
+                what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+                click.echo(f"\n{what}: {n} of {len(plan.measurements)} measurements kept in "
+                           f"{run_dir}; resume with: harness run {scenario} --out {run_dir} "
+                           f"--resume", err=True)
+                raise
+        click.echo(render_summary(writer.records.measurements))
+        if writer.records.failures:
+            click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
+                       err=True)
+    click.echo(str(run_dir))
+
+
+def default_run_dir(name: str, resume: bool) -> Path:
+    """reports/runs/NAME-TIMESTAMP, or with --resume the newest run of that scenario."""
+    import datetime as dt
+
+    base = Path("reports") / "runs"
+    if resume:
+        runs = sorted(base.glob(f"{name}-*"))
+        if not runs:
+            raise HarnessError(f"no earlier run of {name!r} under {base}",
+                               fix="pass --out RUN_DIR or drop --resume")
+        return runs[-1]
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return base / f"{name}-{stamp}"
+
+
+def _interruptible(fn):
+    """Run fn in a worker thread so Ctrl-C reaches us even inside a long llama.cpp call."""
+    import threading
+
+    from .llama import clear_abort, request_abort
+
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    clear_abort()
+    worker = threading.Thread(target=target, name="harness-run", daemon=True)
+    worker.start()
+    try:
+        worker.join()
+    except KeyboardInterrupt:
+        request_abort()  # llama_decode returns at its next graph node
+        worker.join(timeout=10)
+        raise
+    if "error" in outcome:
+        error = outcome["error"]
+        if type(error).__name__ == "Interrupted":
+            raise KeyboardInterrupt from None
+        raise error
+    return outcome.get("value")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def env(as_json: bool) -> None:
+    """Describe this machine and the library versions results are measured with."""
+    from .env import collect_env
+    from .tables import render_env
+
+    info = collect_env()
+    click.echo(json.dumps(info, indent=1) if as_json else render_env(info))
+
+
+class _ByteProgress:
+    """A progress bar on stderr fed with (done, total) byte counts; silent when not a TTY."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.bar, self.last = label, None, 0
+
+    def update(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
+            self.bar.__enter__()
+        self.bar.update(done - self.last)
+        self.last = done
+
+    def __enter__(self) -> _ByteProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one line on stderr and exit status 2."""
+    import signal
+
+    # SIGTERM stops a run as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        cli.main(args=argv, prog_name="harness", standalone_mode=False)
+    except HarnessError as exc:
+        click.echo(f"error: {exc.render()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except MemoryError:
+        click.echo("error: out of memory", err=True)
+        sys.exit(2)

@@ -1,0 +1,81 @@
+"""Byte counts of a model: file size, KV cache, and what one decode step reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .specs import ModelSpec
+
+TOKEN_EMBEDDING = "token_embd.weight"
+OUTPUT = "output.weight"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One row of a GGUF tensor table: name, numpy shape, type and bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    n_bytes: int
+
+    @property
+    def n_rows(self) -> int:
+        rows = 1
+        for dim in self.shape[:-1]:
+            rows *= dim
+        return rows
+
+
+def weights_n_bytes(table: list[TensorEntry]) -> int:
+    """Every tensor's bytes: llama-bench's model_size, the course's "file size" convention."""
+    return sum(t.n_bytes for t in table)
+
+
+def decode_weight_n_bytes(table: list[TensorEntry]) -> int:
+    """Weight bytes one decode step reads.
+
+    Every matrix is multiplied by the new token's vector, so it is read whole, except the token
+    embedding: a lookup of one row (get_rows in llama.cpp), unless there is no output.weight and
+    the output layer reuses the embedding (tied), which then is read whole as the LM head.
+    """
+    names = {t.name for t in table}
+    total = 0
+    for t in table:
+        if t.name == TOKEN_EMBEDDING and OUTPUT in names:
+            total += t.n_bytes // max(t.n_rows, 1)
+        else:
+            total += t.n_bytes
+    return total
+
+
+def kv_type_bytes_per_element(type_name: str) -> float:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    return size / block
+
+
+def kv_n_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16") -> float:
+    """K and V of every layer for one token: layers × kv_heads × head_dim × (k + v bytes).
+
+    This is what a token adds to the cache and what each later decode step reads back per
+    token of context (llama.cpp stores K and V per layer at n_head_kv × head_dim).
+    """
+    per_element = kv_type_bytes_per_element(type_k) + kv_type_bytes_per_element(type_v)
+    return spec.num_hidden_layers * spec.kv_dim * per_element
+
+
+def decode_n_bytes_per_token(table: list[TensorEntry], spec: ModelSpec | None, n_context: int,
+                             type_k: str = "f16", type_v: str = "f16") -> float:
+    """Weights read by one decode step plus the KV cache read at context length n_context."""
+    kv = kv_n_bytes_per_token(spec, type_k, type_v) * n_context if spec else 0.0
+    return decode_weight_n_bytes(table) + kv
+
+
+def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
+    """The tensor table a directly written build of spec has."""
+    from .gguf_build import planned_tensors
+
+    return [TensorEntry(t.plan.name, t.plan.shape, t.ggml_type.name, t.n_bytes)
+            for t in planned_tensors(spec, dtype)]

@@ -1,0 +1,276 @@
+"""The one module that talks to llama.cpp (through llama-cpp-python's C bindings)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as L
+
+from .errors import Interrupted, MeasurementError
+
+_LOG_LOCK = threading.Lock()
+_LOG_TAIL: deque[tuple[int, str]] = deque(maxlen=40)
+_ERROR_LEVEL = 4  # GGML_LOG_LEVEL_ERROR in ggml.h (NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4)
+_state = {"ready": False, "n_errors": 0}
+
+# Ctrl-C must stop a long prefill within a second, but Python cannot interrupt a C call, and a
+# Python abort callback would cost ~1 us per graph node. ggml calls abort_callback(data) after
+# every node; libc's strlen(data) is a C function that returns nonzero exactly when the first
+# byte of the buffer is set, so the check costs nanoseconds and needs no Python.
+_ABORT_FLAG = ctypes.create_string_buffer(2)
+_ABORT_CALLBACK = ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
+
+
+def request_abort() -> None:
+    """Make every running llama_decode return at its next graph node (thread-safe)."""
+    _ABORT_FLAG[0] = b"\x01"
+
+
+def clear_abort() -> None:
+    _ABORT_FLAG[0] = b"\x00"
+
+
+def abort_requested() -> bool:
+    return _ABORT_FLAG[0] != b"\x00"
+
+
+def check_abort() -> None:
+    """Raise Interrupted at a safe point if the user asked to stop."""
+    if abort_requested():
+        raise Interrupted()
+
+
+@L.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp keeps this pointer: the module-level name keeps the callback alive.
+    if level == _ERROR_LEVEL:
+        with _LOG_LOCK:
+            _state["n_errors"] += 1
+            _LOG_TAIL.append((_state["n_errors"], text.decode("utf-8", "replace").strip()))
+
+
+def _init() -> None:
+    if not _state["ready"]:
+        L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        _state["ready"] = True
+
+
+def _log_mark() -> int:
+    with _LOG_LOCK:
+        return _state["n_errors"]
+
+
+def first_error_since(mark: int) -> str:
+    """The first error llama.cpp logged after mark: the cause, not the follow-ups."""
+    with _LOG_LOCK:
+        lines = [line for n, line in _LOG_TAIL if n > mark and line]
+    return lines[0] if lines else "llama.cpp logged no reason"
+
+
+def version_info() -> dict:
+    """llama-cpp-python version, the ggml commit it vendors and llama.cpp's system info."""
+    _init()
+    commit = L.llama_cpp._lib.ggml_commit
+    commit.restype = ctypes.c_char_p
+    version = L.llama_cpp._lib.ggml_version
+    version.restype = ctypes.c_char_p
+    return {
+        "llama_cpp_python": L.__version__,
+        "ggml_commit": commit().decode(),
+        "ggml_version": version().decode(),
+        "system_info": L.llama_print_system_info().decode().strip(),
+    }
+
+
+def quantize(src: Path, dst: Path, file_type: int, n_threads: int = 0) -> None:
+    """Run llama.cpp's own quantizer (all cores when n_threads is 0)."""
+    _init()
+    params = L.llama_model_quantize_default_params()
+    params.ftype = file_type
+    params.nthread = n_threads
+    mark = _log_mark()
+    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise MeasurementError(f"llama.cpp's quantizer failed ({first_error_since(mark)})",
+                               source=str(src))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What llama.cpp itself reports about a loaded model."""
+
+    description: str
+    n_params: int
+    n_bytes: int
+    n_ctx_train: int
+    n_vocab: int
+
+
+class Model:
+    """A loaded llama.cpp model; close() or use as a context manager."""
+
+    def __init__(self, path: Path, use_mmap: bool = True) -> None:
+        _init()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_mmap = use_mmap
+        self.path = path
+        mark = _log_mark()
+        self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise MeasurementError(f"llama.cpp could not load the model "
+                                   f"({first_error_since(mark)})",
+                                   source=str(path), fix="check that it is a complete GGUF file")
+
+    def info(self) -> ModelInfo:
+        buf = ctypes.create_string_buffer(256)
+        L.llama_model_desc(self.ptr, buf, len(buf))
+        vocab = L.llama_model_get_vocab(self.ptr)
+        return ModelInfo(description=buf.value.decode(),
+                         n_params=int(L.llama_model_n_params(self.ptr)),
+                         n_bytes=int(L.llama_model_size(self.ptr)),
+                         n_ctx_train=int(L.llama_model_n_ctx_train(self.ptr)),
+                         n_vocab=int(L.llama_vocab_n_tokens(vocab)))
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Everything that shapes a llama.cpp context (and so must match to reuse one)."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    flash_attn: bool | None = None  # None lets llama.cpp decide
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_seq_max: int = 1
+
+
+_KV_TYPES = {"f32": L.GGML_TYPE_F32, "f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0,
+             "q4_0": L.GGML_TYPE_Q4_0}
+KV_CACHE_TYPES = tuple(_KV_TYPES)
+
+
+@dataclass
+class PerfCounters:
+    """llama.cpp's own timing counters (llama_perf_context)."""
+
+    t_p_eval_ms: float
+    n_p_eval: int
+    t_eval_ms: float
+    n_eval: int
+
+
+class Context:
+    """A llama.cpp context with the timed primitives the runner needs."""
+
+    def __init__(self, model: Model, params: ContextParams) -> None:
+        p = L.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch = params.n_ctx, params.n_batch, params.n_ubatch
+        p.n_threads = p.n_threads_batch = params.n_threads
+        p.n_seq_max = params.n_seq_max
+        p.no_perf = False  # the default turns the counters off
+        p.type_k, p.type_v = _KV_TYPES[params.type_k], _KV_TYPES[params.type_v]
+        p.abort_callback = _ABORT_CALLBACK
+        p.abort_callback_data = ctypes.cast(_ABORT_FLAG, ctypes.c_void_p)
+        if params.flash_attn is not None:
+            p.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
+                                 else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.model, self.params = model, params
+        mark = _log_mark()
+        self.ptr = L.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise MeasurementError(f"llama.cpp could not create a context "
+                                   f"({first_error_since(mark)})",
+                                   source=str(model.path))
+        self.n_vocab = model.info().n_vocab
+        self._one = (ctypes.c_int32 * 1)()
+        self._one_batch = L.llama_batch_get_one(self._one, 1)
+
+    def clear(self) -> None:
+        """Empty the KV cache and reset the perf counters."""
+        L.llama_memory_clear(L.llama_get_memory(self.ptr), True)
+        L.llama_perf_context_reset(self.ptr)
+
+    def prefill(self, tokens: Sequence[int]) -> float:
+        """Decode a prompt in n_batch chunks; seconds until the last token's logits are ready."""
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        step = self.params.n_batch
+        start = time.perf_counter_ns()
+        for i in range(0, len(tokens), step):
+            n = min(step, len(tokens) - i)
+            chunk = ctypes.cast(ctypes.byref(arr, i * 4), ctypes.POINTER(ctypes.c_int32))
+            self._check(L.llama_decode(self.ptr, L.llama_batch_get_one(chunk, n)), "prefill")
+        L.llama_synchronize(self.ptr)
+        return (time.perf_counter_ns() - start) / 1e9
+
+    def decode(self, tokens: Sequence[int]) -> list[float]:
+        """One synchronized single-token step per token; seconds of each."""
+        out = []
+        one, batch, ctx, clock = self._one, self._one_batch, self.ptr, time.perf_counter_ns
+        for token in tokens:
+            one[0] = token
+            start = clock()
+            rc = L.llama_decode(ctx, batch)
+            L.llama_synchronize(ctx)
+            out.append((clock() - start) / 1e9)
+            if rc:
+                self._check(rc, "decode")
+        return out
+
+    def kv_pos_max(self, seq_id: int = 0) -> int:
+        """The highest position stored in the KV cache for a sequence (-1 when empty)."""
+        return int(L.llama_memory_seq_pos_max(L.llama_get_memory(self.ptr), seq_id))
+
+    def last_logits(self) -> list[float]:
+        ptr = L.llama_get_logits_ith(self.ptr, -1)
+        return ptr[: self.n_vocab]
+
+    def perf(self) -> PerfCounters:
+        d = L.llama_perf_context(self.ptr)
+        return PerfCounters(float(d.t_p_eval_ms), int(d.n_p_eval), float(d.t_eval_ms),
+                            int(d.n_eval))
+
+    def _check(self, rc: int, step: str) -> None:
+        if rc == DECODE_ABORTED and abort_requested():
+            raise Interrupted()
+        if rc != 0:
+            error = MeasurementError(f"llama_decode returned {rc} during {step}",
+                                     source=str(self.model.path))
+            error.step = step
+            raise error
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_free(self.ptr)
+            self.ptr = None
+
+
+@contextlib.contextmanager
+def open_context(model: Model, params: ContextParams) -> Iterator[Context]:
+    ctx = Context(model, params)
+    try:
+        yield ctx
+    finally:
+        ctx.close()

@@ -1,0 +1,245 @@
+"""Scenario files: validated once at load, expanded into the list of measurements to make."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .dtypes import get_dtype
+from .errors import HarnessError
+from .specs import resolve_spec
+from .yamlio import (
+    Doc,
+    check_keys,
+    parse_yaml,
+    read_text,
+    want_bool,
+    want_int,
+    want_mapping,
+    want_str,
+)
+
+MAX_TOKENS = 1 << 20
+MAX_REPETITIONS = 1000
+MAX_THREADS = 1024
+_TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
+             "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "tests"]
+_OVERRIDES = ["threads", "repetitions", "warmup", "n_batch", "n_ubatch", "flash_attn"]
+_TEST_KEYS = ["name", "prompt", "generate", *_OVERRIDES]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model named by a scenario: a spec (built on demand) or a GGUF file."""
+
+    ref: str
+    spec_name: str | None  # None for a .gguf path
+    gguf_path: Path | None
+    dtype: str  # the dtype to build; "file" for a .gguf path
+    max_context: int  # the model's trained context length
+
+    @property
+    def label(self) -> str:
+        return self.spec_name or self.gguf_path.stem
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs a test may override."""
+
+    threads: int
+    repetitions: int
+    warmup: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool | None  # None = llama.cpp's auto
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One cell of the cross product: what to run, on what, how often."""
+
+    model: ModelRef
+    n_prompt: int
+    n_gen: int
+    settings: Settings
+    test_name: str
+
+    @property
+    def id(self) -> str:
+        s = self.settings
+        fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
+        return (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
+                f"ub{s.n_ubatch}|fa-{fa}|pp{self.n_prompt}|tg{self.n_gen}")
+
+    @property
+    def n_ctx(self) -> int:
+        return self.n_prompt + self.n_gen
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A validated scenario: its verbatim text and the measurements it expands to."""
+
+    path: Path
+    text: str
+    name: str
+    title: str
+    description: str
+    seed: int
+    measurements: tuple[Measurement, ...]
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
+    """Parse, validate and expand a scenario file; every error names file, line and key."""
+    path = Path(path)
+    text = read_text(path, "scenario")
+    doc = parse_yaml(text, str(path))
+    data = want_mapping(doc, (), doc.data)
+    check_keys(doc, (), data, _TOP_KEYS, ("name", "models", "tests"))
+    name = want_str(doc, ("name",), data["name"])
+    models = _models(doc, data)
+    base = _settings(doc, (), data, None, physical_cores)
+    tests = _list(doc, ("tests",), data["tests"])
+    measurements = []
+    for i, test in enumerate(tests):
+        measurements += _expand_test(doc, ("tests", i), test, models, base, physical_cores)
+    _check_unique(doc, measurements)
+    return Scenario(
+        path=path, text=text, name=name,
+        title=want_str(doc, ("title",), data.get("title", name)),
+        description=str(data.get("description") or ""),
+        seed=want_int(doc, ("seed",), data.get("seed", 0), minimum=0, maximum=2**63 - 1),
+        measurements=tuple(measurements),
+    )
+
+
+def _list(doc: Doc, path: tuple, value: object, *, allow_scalar: bool = False) -> list:
+    if allow_scalar and not isinstance(value, (list, dict)):
+        value = [value]
+    if not isinstance(value, list):
+        raise doc.error(path, f"expected a list, got {type(value).__name__}")
+    if not value:
+        raise doc.error(path, "empty list", fix="give at least one entry")
+    return value
+
+
+def _models(doc: Doc, data: dict) -> list[ModelRef]:
+    refs = _list(doc, ("models",), data["models"], allow_scalar=True)
+    dtypes = _list(doc, ("dtypes",), data.get("dtypes", ["f32"]), allow_scalar=True)
+    kinds = [get_dtype(d, source=doc.source, key=f"dtypes[{i}]").name
+             for i, d in enumerate(dtypes)]
+    if len(set(kinds)) != len(kinds):
+        raise doc.error(("dtypes",), "a dtype is listed twice", fix="list each once")
+    out: list[ModelRef] = []
+    for i, ref in enumerate(refs):
+        ref = want_str(doc, ("models", i), ref)
+        try:
+            out += _resolve_model(ref, kinds)
+        except HarnessError as exc:
+            raise doc.error(("models", i), exc.render()) from None
+    labels = [(m.label, m.dtype) for m in out]
+    if len(set(labels)) != len(labels):
+        raise doc.error(("models",), "a model is listed twice", fix="list each once")
+    return out
+
+
+def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
+    if ref.endswith(".gguf"):
+        from .build import check_gguf_file
+        from .gguf_inspect import spec_from_gguf
+
+        path = Path(ref)
+        check_gguf_file(path)
+        spec = spec_from_gguf(path)  # refuses unsupported architectures now, not mid-run
+        return [ModelRef(ref, None, path, "file", spec.max_position_embeddings)]
+    spec = resolve_spec(ref)
+    return [ModelRef(ref, spec.name, None, d, spec.max_position_embeddings) for d in dtypes]
+
+
+def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[int]:
+    out = []
+    for i, item in enumerate(_list(doc, path, value, allow_scalar=True)):
+        if item == "auto":
+            out.append(physical_cores)
+        else:
+            out.append(want_int(doc, path + (i,), item, minimum=1, maximum=MAX_THREADS))
+    return out
+
+
+def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
+              physical_cores: int) -> list[Settings]:
+    """Scenario-level defaults (base None) or a test's overrides of them, one per thread count."""
+    def get_int(key: str, default: int, minimum: int, maximum: int) -> int:
+        if key not in data:
+            return default
+        return want_int(doc, path + (key,), data[key], minimum=minimum, maximum=maximum)
+
+    b = base or Settings(physical_cores, 5, 1, 2048, 512, None)
+    fa = b.flash_attn
+    if "flash_attn" in data:
+        fa = None if data["flash_attn"] == "auto" else want_bool(doc, path + ("flash_attn",),
+                                                                  data["flash_attn"])
+    s = replace(b, repetitions=get_int("repetitions", b.repetitions, 1, MAX_REPETITIONS),
+                warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
+                n_batch=get_int("n_batch", b.n_batch, 1, MAX_TOKENS),
+                n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa)
+    if s.n_ubatch > s.n_batch:
+        raise doc.error(path + ("n_ubatch",), f"n_ubatch {s.n_ubatch} exceeds n_batch {s.n_batch}",
+                        fix="n_ubatch must be at most n_batch")
+    threads = (_threads(doc, path + ("threads",), data["threads"], physical_cores)
+               if "threads" in data else None)
+    if base is None:
+        return [replace(s, threads=t) for t in (threads or [physical_cores])]
+    return [replace(s, threads=t) for t in (threads or [b.threads])]
+
+
+def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],
+                 bases: list[Settings], physical_cores: int) -> list[Measurement]:
+    test = want_mapping(doc, path, test)
+    check_keys(doc, path, test, _TEST_KEYS, ("prompt",))
+    prompts = _token_counts(doc, path + ("prompt",), test["prompt"])
+    gens = _token_counts(doc, path + ("generate",), test.get("generate", 0))
+    label = want_str(doc, path + ("name",), test.get("name", f"test {path[-1] + 1}"))
+    # A test's own threads replace the scenario's list, so keep each setting once.
+    settings_list = list(dict.fromkeys(
+        s for base in bases for s in _settings(doc, path, test, base, physical_cores)))
+    out = []
+    for settings in settings_list:
+        for model, n_prompt, n_gen in itertools.product(models, prompts, gens):
+            if n_prompt + n_gen == 0:
+                raise doc.error(path + ("prompt",), "prompt and generate are both 0",
+                                fix="measure at least one token")
+            _check_context(doc, path, model, n_prompt + n_gen)
+            out.append(Measurement(model, n_prompt, n_gen, settings, label))
+    return out
+
+
+def _token_counts(doc: Doc, path: tuple, value: object) -> list[int]:
+    if isinstance(value, list):
+        return [want_int(doc, path + (i,), v, minimum=0, maximum=MAX_TOKENS)
+                for i, v in enumerate(_list(doc, path, value))]
+    return [want_int(doc, path, value, minimum=0, maximum=MAX_TOKENS)]
+
+
+def _check_context(doc: Doc, path: tuple, model: ModelRef, n_ctx: int) -> None:
+    limit = model.max_context
+    if n_ctx > limit:
+        raise doc.error(path + ("prompt",), f"prompt + generate = {n_ctx:,} tokens exceeds "
+                        f"{model.label}'s context length {limit:,}",
+                        fix=f"keep prompt + generate at most {limit:,}")
+
+
+def _check_unique(doc: Doc, measurements: list[Measurement]) -> None:
+    seen: dict[str, str] = {}
+    for m in measurements:
+        if m.id in seen:
+            raise doc.error(("tests",), f"{m.test_name} repeats a measurement of {seen[m.id]}: "
+                            f"{m.id}", fix="remove the duplicate")
+        seen[m.id] = m.test_name

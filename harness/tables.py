@@ -1,0 +1,113 @@
+"""Pure renderers for the console: model specs and the environment."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, table_from_plan, weights_n_bytes
+from .dtypes import DTYPES
+from .gguf_build import file_n_bytes
+from .specs import ModelSpec, n_params
+
+GIB = 2**30
+# Quantized sizes are nominal (every matrix at the base type); real recipes mix in other types.
+NOMINAL_DTYPES = ("q8_0", "q4_0")
+
+
+def model_row(spec: ModelSpec) -> dict:
+    """The numbers `harness models` shows for one spec."""
+    f32 = DTYPES["f32"]
+    n = n_params(spec)
+    row = {
+        "name": spec.name, "architecture": spec.architecture,
+        "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
+        "heads": spec.num_attention_heads, "kv_heads": spec.num_key_value_heads,
+        "n_params": n, "tied_embeddings": spec.tie_word_embeddings,
+        "weights_n_bytes": {d: weights_n_bytes(table_from_plan(spec, DTYPES[d]))
+                            for d in ("f32", "f16", "bf16")},
+        "file_n_bytes": {d: file_n_bytes(spec, DTYPES[d]) for d in ("f32", "f16", "bf16")},
+        "nominal_n_bytes": {d: int(n * DTYPES[d].bits_per_weight / 8) for d in NOMINAL_DTYPES},
+        "kv_n_bytes_per_token_f16": int(kv_n_bytes_per_token(spec)),
+        "decode_weight_n_bytes_f32": decode_weight_n_bytes(table_from_plan(spec, f32)),
+        "source": spec.source,
+    }
+    return row
+
+
+def models_rows(specs: dict[str, ModelSpec]) -> list[dict]:
+    return [model_row(s) for s in specs.values()]
+
+
+def render_models_table(rows: list[dict]) -> str:
+    headers = ["model", "arch", "layers", "hidden", "heads/kv", "params", "F32", "F16",
+               "Q8_0*", "Q4_0*", "KV/token (F16)", "decode reads/token (F32)"]
+    body = [[r["name"], r["architecture"], r["layers"], r["hidden"],
+             f"{r['heads']}/{r['kv_heads']}", f"{r['n_params']:,}",
+             fmt_bytes(r["weights_n_bytes"]["f32"]), fmt_bytes(r["weights_n_bytes"]["f16"]),
+             fmt_bytes(r["nominal_n_bytes"]["q8_0"]), fmt_bytes(r["nominal_n_bytes"]["q4_0"]),
+             fmt_bytes(r["kv_n_bytes_per_token_f16"]),
+             fmt_bytes(r["decode_weight_n_bytes_f32"])] for r in rows]
+    note = ("Sizes are tensor bytes (llama-bench's model_size); the file adds a few MB of "
+            "metadata.\n* nominal: every matrix at the base type; llama.cpp's recipes keep "
+            "some tensors at other types.\nDecode reads every weight once per token, the token "
+            "embedding as one row unless tied to the output.")
+    return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + "\n" + note
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render_env(info: dict) -> str:
+    llama = info.get("llama", {})
+    rows = [
+        ("CPU", info["cpu_model"]),
+        ("cores", f"{info['physical_cores']} physical, {info['logical_cores']} logical"),
+        ("RAM", f"{(info['ram_total_bytes'] or 0) / GIB:.1f} GiB total, "
+                f"{(info['ram_available_bytes'] or 0) / GIB:.1f} GiB available"),
+        ("last-level cache", f"{(info['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB"),
+        ("OS", info["os"]),
+        ("Python", info["python"]),
+        ("harness", info["harness"]),
+        ("llama-cpp-python", llama.get("llama_cpp_python")),
+        ("llama.cpp commit", f"{llama.get('ggml_commit')} (ggml {llama.get('ggml_version')})"),
+        ("llama.cpp system info", llama.get("system_info")),
+        ("gguf", info["gguf"]),
+        ("numpy", info["numpy"]),
+    ]
+    return tabulate(rows, tablefmt="plain")
+
+
+def _with_ci(summary: dict | None, digits: int = 2) -> str:
+    if not summary:
+        return ""
+    ci = summary.get("ci95")
+    if ci is None:
+        return f"{summary['mean']:.{digits}f} (n={summary['n']})"
+    return f"{summary['mean']:.{digits}f} ± {(ci[1] - ci[0]) / 2:.{digits}f}"
+
+
+def test_label(record: dict) -> str:
+    """pp512 for prefill only, tg64 for decode from empty, tg64@pp16 for decode after a prompt."""
+    if record["n_gen"] == 0:
+        return f"pp{record['n_prompt']}"
+    if record["n_prompt"] == 0:
+        return f"tg{record['n_gen']}"
+    return f"pp{record['n_prompt']}+tg{record['n_gen']}"
+
+
+def render_summary(measurements: list[dict]) -> str:
+    """The end-of-run table: tok/s with their 95% confidence intervals, and flags."""
+    if not measurements:
+        return "no measurements"
+    headers = ["model", "dtype", "threads", "test", "prefill tok/s", "decode tok/s",
+               "ms/token", "n", "flags"]
+    body = [[m["model"], m["dtype"], m["threads"], test_label(m), _with_ci(m["prefill_tok_s"]),
+             _with_ci(m["decode_tok_s"]), _with_ci(m["decode_ms_per_token"]), m["repetitions"],
+             ", ".join(m["flags"])] for m in measurements]
+    return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
+        "\n± is the half-width of the 95% confidence interval of the mean."

@@ -1,0 +1,63 @@
+"""Shared fixtures: an isolated model cache and a CLI runner that goes through main()."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Every test builds into its own cache, never the user's."""
+    cache = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(cache))
+    return cache
+
+
+@dataclass
+class Result:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Run harness in-process through main(), as the console script does."""
+    from harness.cli import main
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
+
+
+def run_subprocess(*args: str, env: dict | None = None, timeout: float = 60) -> Result:
+    """Run the real console entry point in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_user_error(result: Result, *needles: str) -> None:
+    """Exit status 2, one line on stderr, no traceback, and the expected words in it."""
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

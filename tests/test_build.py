@@ -1,0 +1,158 @@
+import hashlib
+import math
+import os
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from harness import build as build_mod
+from harness.build import build, cache_dir, valid_cache_entry
+from harness.dtypes import DTYPES
+from harness.errors import HarnessError
+from harness.gguf_build import WEIGHT_STD, file_n_bytes
+from harness.llama import Context, ContextParams, Model
+from harness.specs import n_params, resolve_spec, tensor_plan
+
+TINY = ["tiny-qwen2", "tiny-llama"]
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_k_m", "iq4_nl"])
+def test_tiny_builds_load_and_give_finite_logits(name, dtype):
+    spec = resolve_spec(name)
+    built = build(spec, DTYPES[dtype])
+    with Model(built.path) as model:
+        info = model.info()
+        assert info.n_params == n_params(spec)
+        assert info.n_vocab == spec.vocab_size
+        ctx = Context(model, ContextParams(n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1))
+        try:
+            ctx.prefill(list(range(3, 35)))
+            ctx.decode([7, 8])
+            logits = ctx.last_logits()
+        finally:
+            ctx.close()
+    assert len(logits) == spec.vocab_size
+    assert all(math.isfinite(x) for x in logits)
+    assert max(logits) != min(logits)  # a real forward pass, not zeros
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_gguf_reader_sees_the_planned_tensors(name):
+    spec = resolve_spec(name)
+    built = build(spec, DTYPES["f32"])
+    reader = GGUFReader(built.path)
+    tensors = {t.name: t for t in reader.tensors}
+    plan = tensor_plan(spec)
+    assert list(tensors) == [t.name for t in plan]
+    for t in plan:
+        assert tuple(int(x) for x in reversed(tensors[t.name].shape)) == t.shape
+    assert sum(int(t.n_elements) for t in reader.tensors) == n_params(spec)
+    assert built.n_bytes == file_n_bytes(spec, DTYPES["f32"]) == built.path.stat().st_size
+    fields = reader.fields
+    arch = spec.architecture
+    assert int(fields[f"{arch}.block_count"].parts[-1][0]) == spec.num_hidden_layers
+    assert len(fields["tokenizer.ggml.tokens"].data) == spec.vocab_size
+    assert int(fields["general.file_type"].parts[-1][0]) == 0
+
+
+def test_weights_have_realistic_scale():
+    built = build(resolve_spec("tiny-llama"), DTYPES["f32"])
+    reader = GGUFReader(built.path)
+    data = {t.name: np.asarray(t.data) for t in reader.tensors}
+    q = data["blk.0.attn_q.weight"]
+    assert abs(float(q.std()) - WEIGHT_STD) < 0.002 and abs(float(q.mean())) < 0.002
+    assert np.all(data["blk.1.ffn_norm.weight"] == 1.0)
+    assert not np.array_equal(data["blk.0.attn_q.weight"], data["blk.1.attn_q.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_rebuild_is_byte_identical(tmp_path, dtype):
+    spec = resolve_spec("tiny-qwen2")
+    a = build(spec, DTYPES[dtype], seed=3, directory=tmp_path / "a")
+    b = build(spec, DTYPES[dtype], seed=3, directory=tmp_path / "b")
+    assert a.path.name == b.path.name
+    assert sha256(a.path) == sha256(b.path)
+    c = build(spec, DTYPES[dtype], seed=4, directory=tmp_path / "c")
+    assert sha256(c.path) != sha256(a.path)
+
+
+def test_second_build_is_a_cache_hit():
+    spec = resolve_spec("tiny-llama")
+    first = build(spec, DTYPES["f16"])
+    second = build(spec, DTYPES["f16"])
+    assert not first.cached and second.cached and second.path == first.path
+    assert first.path.parent == cache_dir()
+
+
+def test_cache_hit_checks_size_and_header():
+    spec = resolve_spec("tiny-llama")
+    first = build(spec, DTYPES["f32"])
+    with first.path.open("r+b") as f:
+        f.truncate(first.n_bytes - 10)
+    assert not valid_cache_entry(first.path)
+    again = build(spec, DTYPES["f32"])
+    assert not again.cached and again.path.stat().st_size == first.n_bytes
+    with again.path.open("r+b") as f:
+        f.write(b"XXXX")
+    assert not valid_cache_entry(again.path)
+
+
+def test_interrupted_build_leaves_no_valid_entry(monkeypatch):
+    spec = resolve_spec("tiny-qwen2")
+
+    def explode(done, total):
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(spec, DTYPES["f32"], progress=explode)
+    leftovers = [p for p in cache_dir().iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == []
+    assert not build(spec, DTYPES["f32"]).cached
+
+
+def test_renamed_file_without_manifest_is_not_a_hit():
+    spec = resolve_spec("tiny-qwen2")
+    built = build(spec, DTYPES["f16"])
+    build_mod.manifest_path(built.path).unlink()
+    assert not valid_cache_entry(built.path)
+
+
+def test_out_path_bypasses_the_cache(tmp_path):
+    out = tmp_path / "x" / "model.gguf"
+    built = build(resolve_spec("tiny-qwen2"), DTYPES["f32"], out=out)
+    assert built.path == out and out.stat().st_size == built.n_bytes
+    assert not any(p.suffix == ".gguf" for p in cache_dir().iterdir())
+
+
+def test_not_enough_disk_is_refused_before_writing(monkeypatch):
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(build_mod.shutil, "disk_usage", lambda path: Usage())
+    with pytest.raises(HarnessError, match="not enough free disk: the build needs"):
+        build(resolve_spec("tiny-qwen2"), DTYPES["f32"])
+    assert not any(p.suffix == ".gguf" for p in cache_dir().iterdir())
+
+
+def test_read_only_cache_dir_is_refused(tmp_path):
+    # chmod does not stop root; /proc refuses new entries to everyone.
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    target = ro if os.geteuid() != 0 else "/proc/self/harness-cache"
+    with pytest.raises(HarnessError, match="cache directory is not writable"):
+        build(resolve_spec("tiny-qwen2"), DTYPES["f32"], directory=target)
+
+
+def test_cache_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(HarnessError, match="cache directory is not writable"):
+        build(resolve_spec("tiny-qwen2"), DTYPES["f32"], directory=f)

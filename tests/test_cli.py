@@ -1,0 +1,108 @@
+import json
+
+import pytest
+from conftest import FIXTURES, assert_user_error, run_subprocess
+
+from harness.specs import load_spec_file, n_params, resolve_spec
+
+HF = FIXTURES / "hf"
+
+
+def test_models_table_lists_every_spec(run_cli):
+    r = run_cli("models")
+    assert r.exit_code == 0
+    for name in ("qwen2.5-0.5b", "llama-3.1-8b", "tiny-llama"):
+        assert name in r.stdout
+    assert "494,032,768" in r.stdout and "1.84 GiB" in r.stdout
+
+
+def test_models_json(run_cli):
+    rows = json.loads(run_cli("models", "--json").stdout)
+    by_name = {r["name"]: r for r in rows}
+    q = by_name["qwen2.5-0.5b"]
+    assert q["n_params"] == 494_032_768
+    assert q["weights_n_bytes"]["f32"] == 494_032_768 * 4
+    assert q["kv_n_bytes_per_token_f16"] == 24 * 2 * 128 * 2  # layers x (K+V) x kv_dim x 2 B
+    # tied: the embedding is read whole as the output layer
+    assert q["decode_weight_n_bytes_f32"] == 494_032_768 * 4
+    l8 = by_name["llama-3.1-8b"]
+    embedding = 128256 * 4096 * 4
+    assert l8["decode_weight_n_bytes_f32"] == l8["weights_n_bytes"]["f32"] - embedding + 4096 * 4
+
+
+def test_build_prints_the_path(run_cli, tmp_path):
+    r = run_cli("build", "tiny-qwen2", "--dtype", "f16", "--cache-dir", str(tmp_path))
+    assert r.exit_code == 0
+    path = r.stdout.strip()
+    assert path.startswith(str(tmp_path)) and path.endswith(".gguf")
+    again = run_cli("build", "tiny-qwen2", "--dtype", "f16", "--cache-dir", str(tmp_path))
+    assert again.stdout.strip() == path and "cached" in again.stderr
+
+
+def test_build_from_spec_file_with_out(run_cli, tmp_path):
+    spec = FIXTURES.parent.parent / "models" / "tiny-llama.yaml"
+    out = tmp_path / "m.gguf"
+    r = run_cli("build", str(spec), "--dtype", "q8_0", "--out", str(out), "--seed", "5")
+    assert r.exit_code == 0 and r.stdout.strip() == str(out) and out.stat().st_size > 0
+
+
+def test_env_json(run_cli):
+    info = json.loads(run_cli("env", "--json").stdout)
+    assert info["physical_cores"] >= 1 and info["ram_total_bytes"] > 0
+    assert info["llama"]["ggml_commit"] and info["llama"]["llama_cpp_python"]
+    assert "AVX" in info["llama"]["system_info"] or info["llama"]["system_info"]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["build", "nope"], ["unknown model 'nope'", "known models:", "qwen2.5-0.5b"]),
+    (["build", "tiny-qwen2", "--dtype", "q9"], ["--dtype", "unknown dtype 'q9'", "q4_k_m"]),
+    (["build", "missing.yaml"], ["missing.yaml", "not found"]),
+    (["build", "tiny-qwen2", "--cache-dir", "/proc/self/nope"], ["not writable"]),
+    (["models", "import", str(HF / "gpt2-config.json"), "-o", "/tmp/x.yaml"],
+     ["unsupported model_type 'gpt2'", "llama, qwen2, mistral"]),
+    (["models", "import", "not/a/real/thing"], ["neither a local file nor a hub repo id"]),
+])
+def test_bad_input_is_one_line_and_exit_2(run_cli, args, needles):
+    assert_user_error(run_cli(*args), *needles)
+
+
+def test_bad_spec_file_through_the_real_entry_point(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("architecture: llama\nhidden_size: 60\nnum_hidden_layers: 1\n"
+                   "num_attention_heads: 7\nintermediate_size: 8\nvocab_size: 300\n")
+    r = run_subprocess("build", str(bad))
+    assert_user_error(r, str(bad), ":4", "num_attention_heads", "do not divide hidden_size 60")
+
+
+def test_not_a_yaml_directory(run_cli, tmp_path):
+    d = tmp_path / "dir.yaml"
+    d.mkdir()
+    assert_user_error(run_cli("build", str(d)), "is a directory")
+
+
+@pytest.mark.parametrize("config,real", [
+    ("qwen2-0.5b-config.json", "qwen2.5-0.5b"),
+    ("llama-3.2-1b-config.json", "llama-3.2-1b"),
+])
+def test_import_reproduces_the_bundled_spec(run_cli, tmp_path, config, real):
+    out = tmp_path / "spec.yaml"
+    r = run_cli("models", "import", str(HF / config), "-o", str(out), "--name", real)
+    assert r.exit_code == 0, r.stderr
+    imported, bundled = load_spec_file(out), resolve_spec(real)
+    assert imported.to_dict() | {"source": None} == bundled.to_dict() | {"source": None}
+
+
+def test_import_mistral_maps_to_llama(run_cli, tmp_path):
+    out = tmp_path / "mistral.yaml"
+    assert run_cli("models", "import", str(HF / "mistral-7b-config.json"), "-o", str(out)
+                   ).exit_code == 0
+    spec = load_spec_file(out)
+    assert spec.architecture == "llama" and n_params(spec) == 7_248_023_552
+
+
+def test_import_refuses_to_overwrite(run_cli, tmp_path):
+    out = tmp_path / "s.yaml"
+    out.write_text("keep me")
+    r = run_cli("models", "import", str(HF / "qwen2-0.5b-config.json"), "-o", str(out))
+    assert_user_error(r, "exists already", "--force")
+    assert out.read_text() == "keep me"

@@ -1,0 +1,177 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import assert_user_error
+
+from harness import runner
+from harness.errors import HarnessError
+from harness.results import RunWriter, read_records
+from harness.runner import Console, run_scenario
+from harness.scenario import load_scenario
+
+SCENARIO = Path(__file__).resolve().parent / "scenarios" / "tiny.yaml"
+QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
+
+
+def fast_noise(monkeypatch):
+    """The idle noise probe sleeps 0.3 s; tests only need its structure."""
+    monkeypatch.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+
+
+def run(tmp_path, scenario=SCENARIO, console=QUIET, resume=False):
+    plan = load_scenario(scenario, physical_cores=1)
+    with RunWriter(tmp_path / "run", resume=resume) as writer:
+        run_scenario(plan, writer, {"test": True}, console=console)
+    return plan, read_records(tmp_path / "run" / "results.jsonl")
+
+
+def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    plan, records = run(tmp_path)
+    assert records.header["schema_version"] == 1
+    assert records.header["scenario"]["text"] == SCENARIO.read_text()
+    assert records.header["plan"] == [m.id for m in plan.measurements]
+    assert set(records.models) == {"tiny-qwen2|f32", "tiny-qwen2|q8_0", "tiny-llama|f32",
+                                   "tiny-llama|q8_0"}
+    for model in records.models.values():
+        assert model["n_params"] > 0 and len(model["sha256"]) == 64
+        assert model["file_n_bytes"] > model["model_n_bytes"] > 0
+    assert [m["id"] for m in records.measurements] == [m.id for m in runner.pending(plan, set())]
+    for m in records.measurements:
+        for key in ("model", "dtype", "threads", "n_prompt", "n_gen", "samples",
+                    "prefill_tok_s", "decode_tok_s", "decode_ms_per_token", "ttft_s",
+                    "n_params", "model_bytes", "noise", "flags"):
+            assert key in m
+        reps = m["repetitions"]
+        prefill = m["samples"]["prefill_s"]
+        assert len(prefill) == reps and all(s > 0 for s in prefill)
+        assert m["prefill_tok_s"]["median"] > 0
+        # tokens / seconds, sample by sample
+        assert m["prefill_tok_s"]["max"] == pytest.approx(m["n_prompt"] / min(prefill))
+        assert m["ttft_s"]["min"] == pytest.approx(min(prefill))
+        assert len(m["warmup_samples"]["prefill_s"]) == m["warmup"] == 1
+        if m["n_gen"]:
+            decode = m["samples"]["decode_s"]
+            assert [len(d) for d in decode] == [m["n_gen"]] * reps
+            rates = sorted(m["n_gen"] / sum(d) for d in decode)
+            assert m["decode_tok_s"]["min"] == pytest.approx(rates[0])
+            ms = m["decode_ms_per_token"]["mean"]
+            assert ms == pytest.approx(sum(1000 * sum(d) / m["n_gen"] for d in decode) / reps)
+            perf = m["samples"]["perf"][0]
+            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] == m["n_prompt"]
+        else:
+            assert m["decode_tok_s"] is None
+        lo, hi = m["prefill_tok_s"]["ci95"]
+        assert lo <= m["prefill_tok_s"]["mean"] <= hi
+        assert math.isfinite(m["noise"]["idle_other_cores"])
+
+
+def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
+    """Without the clear, repetition 2 would continue the cache (and overflow n_ctx)."""
+    from harness.build import build
+    from harness.dtypes import DTYPES
+    from harness.llama import Model
+    from harness.specs import resolve_spec
+
+    fast_noise(monkeypatch)
+    plan = load_scenario(SCENARIO, 1)
+    m = next(x for x in plan.measurements if x.n_gen and x.model.dtype == "f32")
+    built = build(resolve_spec(m.model.spec_name), DTYPES["f32"])
+    with Model(built.path) as model:
+        record = runner.measure(model, m, {"n_params": 1, "model_n_bytes": 1}, 0, False, QUIET)
+    prefill = record["samples"]["prefill_s"]
+    assert len(prefill) == 3
+    # no reuse: later repetitions do the full prefill, not ~0
+    assert min(prefill[1:]) > 0.2 * prefill[0]
+    for perf in record["samples"]["perf"]:
+        assert perf["n_p_eval"] == m.n_prompt  # counters reset, each rep evaluates the prompt
+
+
+def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    count = {"n": 0}
+
+    def stop_after_three(record):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+
+    plan = load_scenario(SCENARIO, 1)
+    with pytest.raises(KeyboardInterrupt), RunWriter(tmp_path / "run", resume=False) as w:
+        run_scenario(plan, w, {}, console=Console(lambda m: None, lambda m: None,
+                                                  stop_after_three))
+    partial = read_records(tmp_path / "run" / "results.jsonl")
+    assert len(partial.measurements) == 3
+    _, records = run(tmp_path, resume=True)
+    ids = [m["id"] for m in records.measurements]
+    assert sorted(ids) == sorted(m.id for m in plan.measurements)
+    assert len(ids) == len(set(ids))
+    assert [r["type"] for r in records.other] == ["resume"]
+
+
+def test_truncated_last_line_is_dropped_on_resume(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    plan = load_scenario(SCENARIO, 1)
+    with RunWriter(tmp_path / "run", resume=False) as w:
+        w.append({"type": "header", "scenario": {"sha256": plan.sha256}, "plan": []})
+    path = tmp_path / "run" / "results.jsonl"
+    with path.open("a") as f:
+        f.write('{"type": "measurement", "id": "cut sh')
+    assert read_records(path).truncated_bytes > 0
+    _, records = run(tmp_path, resume=True)
+    assert len(records.measurements) == len(plan.measurements)
+    for line in path.read_text().splitlines():
+        json.loads(line)
+
+
+def test_no_overwrite_without_consent(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    run(tmp_path)
+    before = (tmp_path / "run" / "results.jsonl").read_bytes()
+    with pytest.raises(HarnessError, match="already holds results"):
+        RunWriter(tmp_path / "run", resume=False)
+    assert (tmp_path / "run" / "results.jsonl").read_bytes() == before
+
+
+def test_resume_with_a_changed_scenario_is_refused(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    run(tmp_path)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(SCENARIO.read_text().replace("repetitions: 3", "repetitions: 2"))
+    with pytest.raises(HarnessError, match="scenario changed"):
+        run(tmp_path, scenario=changed, resume=True)
+
+
+def test_two_runs_into_one_directory_are_refused(tmp_path):
+    with RunWriter(tmp_path / "run", resume=False), \
+            pytest.raises(HarnessError, match="another run is writing"):
+        RunWriter(tmp_path / "run", resume=False)
+
+
+def test_ram_check_refuses_before_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "available_ram_bytes", lambda: 1000)
+    with pytest.raises(HarnessError, match=r"needs about .* GiB of RAM .* is available"):
+        run(tmp_path)
+    assert read_records(tmp_path / "run" / "results.jsonl").measurements == []
+
+
+def test_cli_run_writes_results_and_summary(run_cli, tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    out = tmp_path / "cli-run"
+    r = run_cli("run", str(SCENARIO), "--out", str(out))
+    assert r.exit_code == 0, r.stderr
+    assert "prefill tok/s" in r.stdout and "tiny-llama" in r.stdout
+    assert r.stdout.strip().endswith(str(out))
+    again = run_cli("run", str(SCENARIO), "--out", str(out))
+    assert_user_error(again, "already holds results", "--resume")
+    resumed = run_cli("run", str(SCENARIO), "--out", str(out), "--resume")
+    assert resumed.exit_code == 0 and "(12 done)" in resumed.stderr
+
+
+def test_strict_aborts_on_noise(tmp_path, monkeypatch, run_cli):
+    monkeypatch.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 1.5)
+    r = run_cli("run", str(SCENARIO), "--out", str(tmp_path / "r"), "--strict")
+    assert r.exit_code == 3
+    assert "other processes are using 1.50 cores" in r.stderr and "--resume" in r.stderr

@@ -1,0 +1,107 @@
+import textwrap
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.scenario import load_scenario
+
+BASE = """\
+name: t
+models: [tiny-qwen2]
+tests:
+  - {prompt: 8, generate: 4}
+"""
+
+
+def write(tmp_path, text: str, name: str = "s.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_cross_product_and_defaults(tmp_path):
+    p = write(tmp_path, """\
+        name: sweep
+        models: [tiny-qwen2, tiny-llama]
+        dtypes: [f32, q8_0]
+        threads: [1, auto]
+        repetitions: 4
+        tests:
+          - {prompt: [8, 16, 32], generate: 0}
+          - {prompt: 4, generate: [2, 4], repetitions: 2, threads: 1, n_batch: 64, n_ubatch: 32}
+        """)
+    s = load_scenario(p, physical_cores=3)
+    assert len(s.measurements) == 2 * 2 * 2 * 3 + 2 * 2 * 1 * 2
+    first = s.measurements[0]
+    assert first.settings.repetitions == 4 and first.settings.warmup == 1
+    assert first.settings.n_batch == 2048 and first.settings.n_ubatch == 512
+    assert {m.settings.threads for m in s.measurements[:24]} == {1, 3}
+    overridden = [m for m in s.measurements if m.n_prompt == 4]
+    assert {m.settings.threads for m in overridden} == {1}
+    assert {(m.settings.repetitions, m.settings.n_batch, m.settings.n_ubatch)
+            for m in overridden} == {(2, 64, 32)}
+    assert len({m.id for m in s.measurements}) == len(s.measurements)
+    assert s.text == p.read_text() and len(s.sha256) == 64
+
+
+def test_scalars_are_lists_of_one(tmp_path):
+    s = load_scenario(write(tmp_path, BASE.replace("[tiny-qwen2]", "tiny-qwen2")), 2)
+    assert len(s.measurements) == 1 and s.measurements[0].n_ctx == 12
+
+
+def test_flash_attn_and_spec_file_models(tmp_path, request):
+    spec = request.config.rootpath / "models" / "tiny-llama.yaml"
+    s = load_scenario(write(tmp_path, f"""\
+        name: t
+        models: ["{spec}"]
+        flash_attn: true
+        tests:
+          - {{prompt: 8, flash_attn: false}}
+          - {{prompt: 9}}
+        """), 2)
+    assert [m.settings.flash_attn for m in s.measurements] == [False, True]
+    assert s.measurements[0].model.spec_name == "tiny-llama"
+
+
+BAD = [
+    ("name: t\nmodels: [tiny-qwen2]\ntets: []\n", "tets", "did you mean 'tests'", 3),
+    (BASE + "repetitons: 3\n", "repetitons", "did you mean 'repetitions'", 5),
+    (BASE.replace("prompt: 8", "promt: 8"), "tests[0].promt", "did you mean 'prompt'", 4),
+    (BASE + "repetitions: 0\n", "repetitions", "use at least 1", 5),
+    (BASE + "repetitions: -2\n", "repetitions", "too small", 5),
+    (BASE + "warmup: two\n", "warmup", "expected a whole number", 5),
+    (BASE + "threads: [1, many]\n", "threads[1]", "expected a whole number", 5),
+    (BASE + "n_batch: 16\nn_ubatch: 64\n", "n_ubatch", "exceeds n_batch", 6),
+    (BASE + "dtypes: [f32, f33]\n", "dtypes[1]", "unknown dtype 'f33'", None),
+    (BASE + "dtypes: []\n", "dtypes", "empty list", 5),
+    (BASE.replace("tiny-qwen2", "tiny-qwen3"), "models[0]", "unknown model 'tiny-qwen3'", 2),
+    (BASE.replace("tiny-qwen2", "nowhere/x.gguf"), "models[0]", "not found", 2),
+    (BASE.replace("generate: 4", "generate: 4000"), "tests[0].prompt",
+     "exceeds tiny-qwen2's context length 2,048", 4),
+    (BASE.replace("prompt: 8, generate: 4", "prompt: 0"), "tests[0].prompt",
+     "both 0", 4),
+    (BASE + "  - {prompt: 8, generate: 4}\n", "tests", "repeats a measurement", 3),
+    (BASE.replace("tests:\n  - {prompt: 8, generate: 4}\n", "tests: []\n"), "tests",
+     "empty list", 3),
+    (BASE + "seed: 1.5\n", "seed", "whole number", 5),
+    (BASE + "flash_attn: sometimes\n", "flash_attn", "true or false", 5),
+    ("models: [tiny-qwen2]\ntests: [{prompt: 1}]\n", None, "missing required key 'name'", 1),
+    ("- just\n- a list\n", None, "expected a mapping", 1),
+    ("name: t\nmodels: [tiny-qwen2\n", None, "invalid YAML", 3),
+    (BASE + "name: again\n", "name", "duplicate key 'name'", 5),
+    (BASE.replace("prompt: 8", "prompt: 99999999999"), "tests[0].prompt", "too large", 4),
+]
+
+
+@pytest.mark.parametrize("text,key,words,line", BAD)
+def test_validation_errors_name_file_line_and_key(tmp_path, text, key, words, line):
+    p = write(tmp_path, text)
+    with pytest.raises(HarnessError) as info:
+        load_scenario(p, 2)
+    message = info.value.render()
+    assert message.startswith(str(p)), message
+    assert words in message, message
+    if key:
+        assert f"{key}:" in message, message
+    if line:
+        assert info.value.line == line, message

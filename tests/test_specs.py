@@ -1,0 +1,102 @@
+from pathlib import Path
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.specs import all_specs, load_spec_file, n_params, resolve_spec, tensor_plan
+
+REAL_PARAMS = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-3b": 3_085_938_688,
+    "qwen2.5-7b": 7_615_616_512,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+}
+
+
+@pytest.mark.parametrize("name,expected", REAL_PARAMS.items())
+def test_real_parameter_counts(name, expected):
+    assert n_params(resolve_spec(name)) == expected
+
+
+def test_course_f32_sizes():
+    gib = {name: n_params(resolve_spec(name)) * 4 / 2**30 for name in REAL_PARAMS}
+    assert round(gib["qwen2.5-0.5b"], 2) == 1.84
+    assert round(gib["llama-3.2-1b"], 2) == 4.60
+    assert round(gib["qwen2.5-1.5b"], 2) == 5.75
+
+
+def test_bundled_specs_include_tiny_models_of_each_architecture():
+    specs = all_specs()
+    tiny = [s for s in specs.values() if s.name.startswith("tiny-")]
+    assert {s.architecture for s in tiny} == {"llama", "qwen2"}
+    assert all(s.hidden_size == 64 for s in tiny)
+
+
+def test_tensor_plan_shapes_qwen():
+    spec = resolve_spec("qwen2.5-0.5b")
+    shapes = {t.name: t.shape for t in tensor_plan(spec)}
+    assert shapes["token_embd.weight"] == (151936, 896)
+    assert shapes["blk.0.attn_k.weight"] == (128, 896)  # 2 KV heads x 64
+    assert shapes["blk.0.attn_q.bias"] == (896,)
+    assert shapes["blk.23.ffn_down.weight"] == (896, 4864)
+    assert "output.weight" not in shapes  # tied embeddings
+
+
+def test_head_dim_differs_from_hidden_over_heads(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("architecture: llama\nhidden_size: 64\nnum_hidden_layers: 1\n"
+                 "num_attention_heads: 2\nhead_dim: 16\nintermediate_size: 32\nvocab_size: 300\n")
+    spec = load_spec_file(p)
+    assert spec.q_dim == 32 and spec.name == "m"
+    assert {t.name: t.shape for t in tensor_plan(spec)}["blk.0.attn_output.weight"] == (64, 32)
+
+
+BAD_SPECS = [
+    ("num_attention_heads: 5", "num_attention_heads", "do not divide"),
+    ("num_key_value_heads: 3", "num_key_value_heads", "do not divide"),
+    ("hidden_size: -4", "hidden_size", "too small"),
+    ("hidden_size: big", "hidden_size", "whole number"),
+    ("hiden_size: 64", "hiden_size", "did you mean 'hidden_size'"),
+    ("architecture: gpt2", "architecture", "supported: qwen2, llama"),
+    ("vocab_size: 10", "vocab_size", "too small"),
+    ("rms_norm_eps: 0", "rms_norm_eps", "out of range"),
+    ("tie_word_embeddings: maybe", "tie_word_embeddings", "true or false"),
+    ("attention_bias: false", "attention_bias", "needs q/k/v biases"),
+]
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.yaml"
+
+
+def _with(line: str) -> str:
+    key = line.split(":")[0]
+    kept = [x for x in TINY.read_text().splitlines() if not x.startswith(key + ":")]
+    if key == "hiden_size":
+        kept = [x for x in kept if not x.startswith("hidden_size:")]
+    return "\n".join(kept + [line]) + "\n"
+
+
+@pytest.mark.parametrize("line,key,words", BAD_SPECS)
+def test_bad_spec_fields_name_file_key_and_reason(tmp_path, line, key, words):
+    p = tmp_path / "bad.yaml"
+    p.write_text(_with(line))
+    with pytest.raises(HarnessError) as info:
+        load_spec_file(p)
+    message = info.value.render()
+    assert str(p) in message and key in message and words in message
+    assert info.value.line is not None
+
+
+def test_missing_required_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("architecture: llama\nhidden_size: 64\n")
+    with pytest.raises(HarnessError, match="missing required key 'num_hidden_layers'"):
+        load_spec_file(p)
+
+
+def test_unknown_model_lists_known_ones():
+    with pytest.raises(HarnessError) as info:
+        resolve_spec("qwen2.5-0.6b")
+    assert "did you mean 'qwen2.5-0.5b'" in info.value.render()
+    assert "llama-3.2-1b" in info.value.render()
