@@ -90,7 +90,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     from .results import RunWriter
     from .runner import Console, run_scenario
     from .scenario import load_scenario
-    from .tables import render_summary
+    from .tables import render_analysis, render_summary
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
@@ -106,9 +106,9 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
                               info=lambda msg: click.echo(f"\n{msg}", err=True),
                               advance=lambda record: bar.update(1))
             try:
-                _interruptible(lambda: run_scenario(plan, writer, env_info, strict=strict,
-                                                    cache_dir=cache_dir, console=console,
-                                                    argv=sys.argv))
+                analysis = _interruptible(lambda: run_scenario(
+                    plan, writer, env_info, strict=strict, cache_dir=cache_dir,
+                    console=console, argv=sys.argv))
             except (KeyboardInterrupt, HarnessError) as exc:
                 n = len(writer.records.measured_ids)
                 what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
@@ -117,6 +117,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
                            f"--resume", err=True)
                 raise
         click.echo(render_summary(writer.records.measurements))
+        click.echo("\n" + render_analysis(analysis))
         if writer.records.failures:
             click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
                        err=True)
@@ -167,6 +168,32 @@ def _interruptible(fn):
             raise KeyboardInterrupt from None
         raise error
     return outcome.get("value")
+
+
+@cli.command()
+@click.option("--threads", "thread_list", default=None,
+              help="Comma-separated thread counts (default: 1 and the physical cores).")
+@click.option("--size-mib", type=click.IntRange(1, 1 << 20), default=None,
+              help="Array size (default: 1 GiB or 4x the last-level cache, whichever is larger).")
+@click.option("--passes", type=click.IntRange(5, 1000), default=7, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def probe(thread_list: str | None, size_mib: int | None, passes: int, as_json: bool) -> None:
+    """Measure memory bandwidth (read, copy) and F32 matmul GFLOP/s on this machine."""
+    from .env import physical_cores
+    from .probe import probe as run_probe
+    from .tables import render_probe
+
+    threads = sorted({1, physical_cores()})
+    if thread_list:
+        try:
+            threads = sorted({int(t) for t in thread_list.split(",")})
+        except ValueError:
+            raise HarnessError(f"not a list of whole numbers: {thread_list!r}", key="--threads",
+                               fix="e.g. --threads 1,2,4") from None
+        if min(threads) < 1:
+            raise HarnessError("thread counts must be at least 1", key="--threads")
+    result = run_probe(threads, size_mib << 20 if size_mib else None, passes)
+    click.echo(json.dumps(result, indent=1) if as_json else render_probe(result))
 
 
 @cli.command()

@@ -79,3 +79,44 @@ def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
 
     return [TensorEntry(t.plan.name, t.plan.shape, t.ggml_type.name, t.n_bytes)
             for t in planned_tensors(spec, dtype)]
+
+
+def matmul_params_per_token(spec: ModelSpec) -> int:
+    """Weights every prompt token is multiplied by: the blocks' q, k, v, o, gate, up, down."""
+    e, f = spec.hidden_size, spec.intermediate_size
+    per_layer = e * spec.q_dim + 2 * e * spec.kv_dim + spec.q_dim * e + 3 * e * f
+    return spec.num_hidden_layers * per_layer
+
+
+def prefill_flops(spec: ModelSpec, n_prompt: int) -> float:
+    """FLOPs to prefill n_prompt tokens from an empty cache.
+
+    Forward cost per token = 2 x matmul parameters + attention (Kaplan et al. 2020, "Scaling
+    Laws for Neural Language Models", table 1: C_forward = 2N + 2 n_layer n_ctx d_attn, with
+    QK^T and AV each 2 x d_attn x context). Token t attends to t earlier positions (causal), so
+    the attention sum over a prompt is 4 x layers x q_dim x n(n+1)/2. The output layer runs for
+    the last token only (llama.cpp computes logits for it alone): 2 x hidden x vocab once.
+    """
+    attention = 4 * spec.num_hidden_layers * spec.q_dim * n_prompt * (n_prompt + 1) / 2
+    lm_head = 2 * spec.hidden_size * spec.vocab_size
+    return 2 * matmul_params_per_token(spec) * n_prompt + attention + lm_head
+
+
+def mean_decode_context(n_prompt: int, n_gen: int) -> float:
+    """Average KV cache length a decode step reads: the prompt plus half the generation."""
+    return n_prompt + (n_gen - 1) / 2 if n_gen else float(n_prompt)
+
+
+def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
+    """Weight bytes a decode step reads at a dtype: exact for F32/F16/BF16; for quantized types
+    every matrix at the base type's bits per weight (recipes keep some tensors at other types)."""
+    from .dtypes import DTYPES
+
+    if dtype.direct:
+        return decode_weight_n_bytes(table_from_plan(spec, dtype))
+    f32 = table_from_plan(spec, DTYPES["f32"])
+    scaled = [TensorEntry(t.name, t.shape, t.type_name,
+                          t.n_bytes if len(t.shape) == 1 else int(t.n_bytes * dtype.bits_per_weight
+                                                                   / 32))
+              for t in f32]
+    return decode_weight_n_bytes(scaled)

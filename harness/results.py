@@ -23,6 +23,9 @@ class Records:
     models: dict[str, dict] = field(default_factory=dict)  # by model key
     measurements: list[dict] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
+    probes: list[dict] = field(default_factory=list)
+    analyses: list[dict] = field(default_factory=list)
+    n_records: int = 0
     other: list[dict] = field(default_factory=list)
     truncated_bytes: int = 0  # a partial last line (a crash mid-write) is skipped
 
@@ -54,6 +57,9 @@ def read_records(path: Path) -> Records:
 
 
 def _file(records: Records, record: dict) -> None:
+    # seq: the record's place in the file, so analysis can find the probes beside a measurement
+    records.n_records += 1
+    record = dict(record, seq=records.n_records)
     kind = record.get("type")
     if kind == "header":
         records.header = records.header or record
@@ -63,6 +69,10 @@ def _file(records: Records, record: dict) -> None:
         records.measurements.append(record)
     elif kind == "failure":
         records.failures.append(record)
+    elif kind == "probe":
+        records.probes.append(record)
+    elif kind == "analysis":
+        records.analyses.append(record)
     else:
         records.other.append(record)
 

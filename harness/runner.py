@@ -60,14 +60,58 @@ def pending(scenario: Scenario, done: set[str]) -> list[Measurement]:
     return sorted(todo, key=lambda m: first[model_key(m.model)])
 
 
+ProbeFn = Callable[[list[int]], dict]
+
+
 def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bool = False,
                  cache_dir: Path | None = None, console: Console | None = None,
-                 argv: list[str] | None = None) -> None:
-    """Measure every pending measurement, appending each record the moment it exists."""
+                 argv: list[str] | None = None, probe_fn: ProbeFn | None = None) -> dict:
+    """Measure every pending measurement, appending each record the moment it exists; probe
+    the ceilings before and after, and append the analysis."""
     console = console or Console()
     _write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
     check_resources(todo, cache_dir)
+    threads = sorted({1} | {m.settings.threads for m in scenario.measurements})
+    if todo:
+        _probe(writer, "before", threads, probe_fn, console)
+    _measure_all(todo, writer, scenario, strict, cache_dir, console)
+    if todo:
+        _probe(writer, "after", threads, probe_fn, console)
+    analysis = analyze_records(writer.records)
+    writer.append(analysis)
+    return analysis
+
+
+def analyze_records(records) -> dict:
+    """The analysis of whatever a results file holds (complete or not)."""
+    from .analysis import analyze, prediction_table
+    from .specs import all_specs
+
+    try:
+        table = prediction_table(all_specs())
+    except HarnessError:
+        table = {}
+    return analyze(records.measurements, records.models, records.probes, table)
+
+
+def _probe(writer: RunWriter, when: str, threads: list[int], probe_fn: ProbeFn | None,
+           console: Console) -> None:
+    """Measure the ceilings; a probe that fails is recorded as missing, never guessed."""
+    from .probe import probe
+
+    console.info(f"probing memory bandwidth and matmul peak ({when} the measurements)")
+    record = {"type": "probe", "when": when, "at": now_iso(), "threads": threads}
+    try:
+        record["result"] = (probe_fn or probe)(threads)
+    except (MemoryError, OSError, ValueError, RuntimeError) as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        console.warn(f"the {when} probe failed ({record['error']}); ceilings will be missing")
+    writer.append(record)
+
+
+def _measure_all(todo: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
+                 cache_dir: Path | None, console: Console) -> None:
     for key, group in groupby(todo, key=lambda m: model_key(m.model)):
         group = list(group)
         try:

@@ -111,3 +111,58 @@ def render_summary(measurements: list[dict]) -> str:
              ", ".join(m["flags"])] for m in measurements]
     return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
         "\n± is the half-width of the 95% confidence interval of the mean."
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.0%}" if x is not None else "missing"
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if x is not None else "missing"
+
+
+def render_analysis(a: dict) -> str:
+    """The rule-of-thumb summary shown at the end of `harness run`."""
+    parts = []
+    if a["decode"]:
+        body = [[r["model"], r["dtype"], r["threads"], fmt_bytes(r["bytes_per_token"]),
+                 _with_ci(r["tok_s"]), _num(r["effective_gb_s"]),
+                 _num(r["read_ceiling"]["value"]), _pct(r["share_of_read"])]
+                for r in a["decode"]]
+        parts.append("Decode: effective bandwidth = tok/s × bytes read per token\n" + tabulate(
+            body, ["model", "dtype", "threads", "bytes/token", "tok/s", "effective GB/s",
+                   "read ceiling GB/s", "share"], tablefmt="simple", disable_numparse=True))
+    for f in a["fits"]:
+        fit = f["fit"]
+        head = (f"Fit, {f['threads']} threads: tok/s = {fit['gb_s']:.1f} GB/s ÷ bytes "
+                f"(R² = {_num(fit['r2'], 3)}, {fit['n_points']} points)" if fit
+                else f"Fit, {f['threads']} threads: none")
+        lines = [head, f"  verdict: {f['verdict']}"] + [f"  note: {n}" for n in f.get("notes", [])]
+        parts.append("\n".join(lines))
+    if a["prefill"]:
+        body = [[r["model"], r["dtype"], r["threads"], r["n_prompt"], _with_ci(r["tok_s"]),
+                 _num(r["gflop_s"]), _num(r["matmul_peak"]["value"]), _pct(r["share_of_peak"])]
+                for r in a["prefill"] if r["n_gen"] == 0]
+        if body:
+            parts.append("Prefill: achieved GFLOP/s against the measured F32 matmul peak\n" +
+                         tabulate(body, ["model", "dtype", "threads", "prompt", "tok/s",
+                                         "GFLOP/s", "peak GFLOP/s", "share"],
+                                  tablefmt="simple", disable_numparse=True))
+    drift = [c for c in a["ceilings"] if c["drift"] is not None]
+    if drift:
+        worst = max(drift, key=lambda c: abs(c["drift"]))
+        parts.append(f"Ceilings moved by up to {abs(worst['drift']):.0%} between the probes "
+                     f"before and after ({worst['what']}, {worst['threads']} threads).")
+    for error in a["probe_errors"]:
+        parts.append(f"Probe failed: {error}; ceilings marked missing.")
+    return "\n\n".join(parts)
+
+
+def render_probe(result: dict) -> str:
+    body = [[t, _num(v["read_gb_s"]), _num(v["copy_gb_s"]), _num(v["matmul_gflop_s"])]
+            for t, v in sorted(result["threads"].items(), key=lambda kv: int(kv[0]))]
+    text = tabulate(body, ["threads", "read GB/s", "copy GB/s", "F32 matmul GFLOP/s"],
+                    tablefmt="simple", disable_numparse=True)
+    notes = [f"best of {result['passes']} passes over {result['array_n_bytes'] / 2**20:.0f} MiB "
+             "arrays (STREAM conventions: copy counts bytes read + written)"] + result["notes"]
+    return text + "\n" + "\n".join(notes)

@@ -66,6 +66,32 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
         lo, hi = m["prefill_tok_s"]["ci95"]
         assert lo <= m["prefill_tok_s"]["mean"] <= hi
         assert math.isfinite(m["noise"]["idle_other_cores"])
+    assert [p["when"] for p in records.probes] == ["before", "after"]
+    assert records.probes[0]["seq"] < records.measurements[0]["seq"]
+    assert records.probes[1]["seq"] > records.measurements[-1]["seq"]
+    (analysis,) = records.analyses
+    assert len(analysis["decode"]) == 4 and len(analysis["prefill"]) == 12
+    for row in analysis["decode"]:
+        assert row["read_ceiling"]["value"] > 0 and row["share_of_read"] > 0
+        assert row["effective_gb_s"] == pytest.approx(row["tok_s"]["mean"]
+                                                      * row["bytes_per_token"] / 1e9)
+    assert {f["threads"] for f in analysis["fits"]} == {1}
+    assert analysis["predictions"]["estimate"] is True
+
+
+def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+
+    def broken(threads):
+        raise MemoryError("no room")
+
+    plan = load_scenario(SCENARIO, 1)
+    with RunWriter(tmp_path / "run", resume=False) as writer:
+        analysis = run_scenario(plan, writer, {}, console=QUIET, probe_fn=broken)
+    assert len(writer.records.measurements) == len(plan.measurements)
+    assert [p.get("error") for p in writer.records.probes] == ["MemoryError: no room"] * 2
+    assert all(r["read_ceiling"]["value"] is None for r in analysis["decode"])
+    assert analysis["probe_errors"]
 
 
 def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
@@ -109,6 +135,7 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert sorted(ids) == sorted(m.id for m in plan.measurements)
     assert len(ids) == len(set(ids))
     assert [r["type"] for r in records.other] == ["resume"]
+    assert [p["when"] for p in records.probes] == ["before", "before", "after"]
 
 
 def test_truncated_last_line_is_dropped_on_resume(tmp_path, monkeypatch):
