@@ -118,6 +118,9 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
                 raise
         click.echo(render_summary(writer.records.measurements))
         click.echo("\n" + render_analysis(analysis))
+        from .reportio import write_report
+
+        click.echo(f"\nreport: {write_report(run_dir, writer.records)}")
         if writer.records.failures:
             click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
                        err=True)
@@ -168,6 +171,44 @@ def _interruptible(fn):
             raise KeyboardInterrupt from None
         raise error
     return outcome.get("value")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="File to write (default: RUN/report.FORMAT).")
+@click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md",
+              show_default=True)
+def report(run_dir: Path, out: Path | None, fmt: str) -> None:
+    """Re-render the report of a run (also of an interrupted one) from its stored results."""
+    from .reportio import load_run, write_report
+
+    directory, records = load_run(run_dir)
+    click.echo(str(write_report(directory, records, out, fmt)))
+
+
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the markdown here instead of printing it.")
+def compare(runs: tuple[Path, ...], out: Path | None) -> None:
+    """Compare runs: the same measurements side by side, ratios, and what exceeds the noise."""
+    from .build import write_text_atomically
+    from .compare import compare_runs, render_compare_markdown
+    from .reportio import load_run
+
+    if len(runs) < 2:
+        raise HarnessError("compare needs at least two runs", fix="harness compare RUN_A RUN_B")
+    loaded = []
+    for r in runs:
+        directory, records = load_run(r)
+        loaded.append((directory.name, records))
+    text = render_compare_markdown(compare_runs(loaded))
+    if out:
+        write_text_atomically(out, text)
+        click.echo(str(out))
+    else:
+        click.echo(text)
 
 
 @cli.command()

@@ -1,0 +1,108 @@
+"""Plots of a run, written as PNG and SVG beside the report (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+GIB = 2**30
+
+
+def _save(fig, out_dir: Path, name: str) -> str:
+    for ext in ("png", "svg"):
+        fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return f"{name}.png"
+
+
+def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis["decode"]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [r["bytes_per_token"] / GIB for r in rows]
+    ys = [r["tok_s"]["mean"] for r in rows]
+    err = [((r["tok_s"]["ci95"][1] - r["tok_s"]["ci95"][0]) / 2) if r["tok_s"].get("ci95")
+           else 0 for r in rows]
+    ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=4, label="measured (95% CI)")
+    for r, x, y in zip(rows, xs, ys, strict=True):
+        ax.annotate(f"{r['model']} {r['dtype']}", (x, y), textcoords="offset points",
+                    xytext=(6, 6), fontsize=8)
+    grid = [min(xs) * 0.8 + (max(xs) * 1.2 - min(xs) * 0.8) * i / 99 for i in range(100)]
+    for f in analysis["fits"]:
+        if f.get("fit"):
+            b = f["fit"]["gb_s"]
+            ax.plot(grid, [b / (x * GIB / 1e9) for x in grid],
+                    label=f"fit: {b:.1f} GB/s ÷ bytes ({f['threads']} threads)")
+    ceilings = [r["read_ceiling"]["value"] for r in rows if r["read_ceiling"]["value"]]
+    if ceilings:
+        c = sum(ceilings) / len(ceilings)
+        ax.plot(grid, [c / (x * GIB / 1e9) for x in grid], "--",
+                label=f"measured read ceiling: {c:.1f} GB/s ÷ bytes")
+    ax.set_xlabel("bytes read per decode step (GiB)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Decode speed against bytes read per token")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "decode_vs_bytes")
+
+
+def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
+    rows = [m for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s")]
+    if len({m["n_prompt"] for m in rows}) < 2:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in sorted({(m["model"], m["dtype"], m["threads"]) for m in rows}):
+        group = sorted((m for m in rows if (m["model"], m["dtype"], m["threads"]) == key),
+                       key=lambda m: m["n_prompt"])
+        n = [m["n_prompt"] for m in group]
+        label = f"{key[0]} {key[1]} ({key[2]} threads)"
+        a1.plot(n, [m["ttft_s"]["mean"] for m in group], "o-", label=label)
+        a2.plot(n, [m["prefill_tok_s"]["mean"] for m in group], "o-", label=label)
+    a1.set_ylabel("prefill time (s)")
+    a2.set_ylabel("prefill tokens/s")
+    for ax in (a1, a2):
+        ax.set_xlabel("prompt tokens")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    a2.legend(fontsize=8)
+    fig.suptitle("Prefill against prompt length")
+    return _save(fig, out_dir, "prefill_vs_prompt")
+
+
+def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) -> str | None:
+    rows = [m for m in measurements if m["n_gen"]][:limit]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.2 * len(rows)), squeeze=False)
+    for ax, m in zip(axes[:, 0], rows, strict=True):
+        step = 0
+        for warm in m["warmup_samples"]["decode_s"]:
+            ax.plot(range(step, step + len(warm)), [1000 * t for t in warm], color="0.7", lw=1)
+            step += len(warm)
+        for rep in m["samples"]["decode_s"]:
+            ax.plot(range(step, step + len(rep)), [1000 * t for t in rep], lw=1)
+            ax.axvline(step, color="0.85", lw=0.5)
+            step += len(rep)
+        ax.set_title(f"{m['model']} {m['dtype']}, {m['threads']} threads, "
+                     f"{m['n_gen']} tokens after {m['n_prompt']}", fontsize=9)
+        ax.set_ylabel("ms/token")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("decode step (warm-ups grey, then each repetition)")
+    fig.tight_layout()
+    return _save(fig, out_dir, "decode_per_token")
+
+
+def write_plots(measurements: list[dict], analysis: dict, out_dir: Path) -> list[str]:
+    """Write every plot the data supports; return the PNG names, relative to out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = [decode_vs_bytes(analysis, out_dir), prefill_vs_prompt(measurements, out_dir),
+            decode_per_token(measurements, out_dir)]
+    return [m for m in made if m]

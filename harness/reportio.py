@@ -1,0 +1,54 @@
+"""Load a run directory and write its report files (the I/O side of report.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .build import write_text_atomically
+from .errors import HarnessError
+from .report import render_csv, render_json, render_markdown, report_data
+from .results import RESULTS_FILE, read_records
+
+FORMATS = ("md", "csv", "json")
+
+
+def load_run(ref: Path):
+    """Records of a run directory (or its results.jsonl)."""
+    path = ref / RESULTS_FILE if ref.is_dir() else ref
+    if not path.exists():
+        raise HarnessError("no results here", source=str(ref),
+                           fix="pass a run directory made by `harness run`")
+    records = read_records(path)
+    if records.header is None:
+        raise HarnessError("results file is empty", source=str(path))
+    return path.parent, records
+
+
+def analysis_of(records) -> dict:
+    """The stored analysis when the run finished, else one computed from what was measured."""
+    from .runner import analyze_records
+
+    complete = records.analyses and records.analyses[-1]["seq"] > max(
+        (m["seq"] for m in records.measurements), default=0)
+    return records.analyses[-1] if complete else analyze_records(records)
+
+
+def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md") -> Path:
+    """Render a run's report (with plots for markdown) and write it; returns the path."""
+    analysis = analysis_of(records)
+    data = report_data(records, analysis)
+    out = out or run_dir / f"report.{fmt}"
+    if fmt == "md":
+        from .plots import write_plots
+
+        try:
+            plots = write_plots(records.measurements, analysis, out.parent)
+        except OSError as exc:
+            raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent)
+                               ) from None
+        write_text_atomically(out, render_markdown(data, plots))
+    elif fmt == "csv":
+        write_text_atomically(out, render_csv(data))
+    else:
+        write_text_atomically(out, render_json(data))
+    return out

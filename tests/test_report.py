@@ -1,0 +1,104 @@
+import csv
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.compare import compare_runs, render_compare_markdown, welch_significant
+from harness.report import render_csv, render_json, render_markdown, report_data
+from harness.reportio import analysis_of, load_run, write_report
+
+RUNS = Path(__file__).resolve().parent / "fixtures" / "runs"
+GOLDEN = Path(__file__).resolve().parent / "fixtures" / "golden"
+PLOTS = ["decode_vs_bytes.png", "prefill_vs_prompt.png", "decode_per_token.png"]
+
+
+def rendered(name: str) -> str:
+    _, records = load_run(RUNS / name)
+    return render_markdown(report_data(records, analysis_of(records)), PLOTS)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_partial"])
+def test_markdown_matches_golden(name):
+    golden = GOLDEN / f"{name}.md"
+    text = rendered(name)
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_full_report_sections():
+    text = rendered("tiny")
+    for heading in ("# Tiny end-to-end run", "### Prefill: time to first token",
+                    "### Decode against model size", "### The rule of thumb",
+                    "### Measured ceilings of this machine", "Estimates, not measurements",
+                    "## Method", "## Environment", "## Reproduce",
+                    "harness run tests/scenarios/tiny.yaml", "![Decode tok/s"):
+        assert heading in text, heading
+    assert " ± " in text and "Incomplete run" not in text
+
+
+def test_partial_run_says_what_is_missing():
+    _, records = load_run(RUNS / "tiny_partial")
+    assert records.truncated_bytes > 0 and len(records.measurements) == 3
+    text = rendered("tiny_partial")
+    assert "**Incomplete run:** 9 planned measurement(s) are missing" in text
+
+
+def test_csv_and_json_exports_hold_the_same_tables():
+    _, records = load_run(RUNS / "tiny")
+    data = report_data(records, analysis_of(records))
+    rows = list(csv.reader(io.StringIO(render_csv(data))))
+    prefill = [r for r in rows if r[0] == "prefill"]
+    assert len(prefill) == 8  # one row per prefill-only measurement (2 prompts x 4 models)
+    header = rows[rows.index(prefill[0]) - 1]
+    assert header[:2] == ["table", "model"] and "tok_s_ci_low" in header
+    exported = json.loads(render_json(data))
+    assert len(exported["tables"]["prefill"]["rows"]) == 8
+    first = exported["tables"]["prefill"]["rows"][0]
+    assert float(prefill[0][header.index("tok_s")]) == pytest.approx(first["tok_s"]["mean"])
+    assert exported["tables"]["decode"]["rows"][0]["gb_s"] > 0
+
+
+def test_plots_are_written_and_non_empty(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(RUNS / "tiny", run)
+    directory, records = load_run(run)
+    out = write_report(directory, records)
+    assert out == run / "report.md"
+    for name in PLOTS:
+        for ext in ("png", "svg"):
+            f = run / name.replace(".png", f".{ext}")
+            assert f.stat().st_size > 1000, f
+        assert f"]({name})" in out.read_text()
+
+
+def test_report_cli_formats(run_cli, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(RUNS / "tiny", run)
+    r = run_cli("report", str(run), "--format", "json", "-o", str(tmp_path / "r.json"))
+    assert r.exit_code == 0 and json.loads((tmp_path / "r.json").read_text())["tables"]
+    assert run_cli("report", str(tmp_path / "nothing")).exit_code == 2
+
+
+def test_compare_two_runs():
+    _, full = load_run(RUNS / "tiny")
+    _, partial = load_run(RUNS / "tiny_partial")
+    c = compare_runs([("full", full), ("partial", partial)])
+    matched = [r for r in c["rows"] if r["others"][0]["summary"]]
+    assert len({r["id"] for r in matched}) == 3
+    assert all(r["others"][0]["ratio"] == 1.0 for r in matched)
+    assert all(not r["others"][0]["exceeds_noise"] for r in matched)
+    text = render_compare_markdown(c)
+    assert "missing" in text and "same machine" in text
+
+
+def test_welch_detects_a_real_difference():
+    a = {"mean": 10.0, "stdev": 0.1, "n": 5, "ci95": [9.9, 10.1]}
+    b = {"mean": 12.0, "stdev": 0.1, "n": 5, "ci95": [11.9, 12.1]}
+    assert welch_significant(a, b) is True
+    assert welch_significant(a, dict(a)) is False
