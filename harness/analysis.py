@@ -100,8 +100,9 @@ def fit_verdicts(rows: list[dict]) -> list[dict]:
         group = [r for r in rows if r["threads"] == threads]
         sizes = {r["bytes_per_token"] for r in group}
         if len(sizes) < 2:
-            out.append({"threads": threads, "fit": None, "verdict": "no fit",
-                        "reasons": ["needs decode of at least two model sizes"]})
+            out.append({"threads": threads, "fit": None,
+                        "verdict": "no fit: the rule of thumb needs decode of at least two "
+                                   "model sizes", "reasons": ["only one model size"]})
             continue
         fit = fit_through_origin([r["bytes_per_token"] for r in group],
                                  [r["tok_s"]["mean"] for r in group])
