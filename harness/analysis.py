@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .costs import mean_decode_context, prefill_flops
+from .costs import decode_n_bytes_per_token, mean_decode_context, prefill_flops
 from .specs import ModelSpec
 
 # Spec-sheet peak memory bandwidths, GB/s (vendors' data sheets; DDR = channels x MT/s x 8 B).
@@ -77,8 +77,9 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
         model = models.get(m["model_key"])
         if not tok or not model:
             continue
-        context = mean_decode_context(m["n_prompt"], m["n_gen"])
-        n_bytes = model["decode_weight_n_bytes"] + model["kv_n_bytes_per_token_f16"] * context
+        n_bytes = decode_n_bytes_per_token(model["decode_weight_n_bytes"],
+                                           model["kv_n_bytes_per_token_f16"],
+                                           mean_decode_context(m["n_prompt"], m["n_gen"]))
         effective = tok["mean"] * n_bytes / 1e9
         ceiling = ceiling_beside(probes, m["seq"], m["threads"], "read_gb_s")
         rows.append({

@@ -66,11 +66,10 @@ def kv_n_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f1
     return spec.num_hidden_layers * spec.kv_dim * per_element
 
 
-def decode_n_bytes_per_token(table: list[TensorEntry], spec: ModelSpec | None, n_context: int,
-                             type_k: str = "f16", type_v: str = "f16") -> float:
-    """Weights read by one decode step plus the KV cache read at context length n_context."""
-    kv = kv_n_bytes_per_token(spec, type_k, type_v) * n_context if spec else 0.0
-    return decode_weight_n_bytes(table) + kv
+def decode_n_bytes_per_token(weight_n_bytes: float, kv_n_bytes_per_token: float,
+                             n_context: float) -> float:
+    """Bytes one decode step reads: its weights plus the KV cache of n_context tokens."""
+    return weight_n_bytes + kv_n_bytes_per_token * n_context
 
 
 def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:

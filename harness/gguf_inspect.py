@@ -65,13 +65,3 @@ def tensor_table(path: Path) -> list[TensorEntry]:
     return [TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name,
                         int(t.n_bytes)) for t in reader.tensors]
 
-
-def file_type_name(path: Path) -> str | None:
-    """general.file_type as llama.cpp's ftype name (e.g. MOSTLY_Q4_K_M)."""
-    from gguf import LlamaFileType
-
-    value = _field(_reader(path), "general.file_type")
-    try:
-        return LlamaFileType(int(value)).name if value is not None else None
-    except ValueError:
-        return None

@@ -239,10 +239,6 @@ class Context:
                 self._check(rc, "decode")
         return out
 
-    def kv_pos_max(self, seq_id: int = 0) -> int:
-        """The highest position stored in the KV cache for a sequence (-1 when empty)."""
-        return int(L.llama_memory_seq_pos_max(L.llama_get_memory(self.ptr), seq_id))
-
     def last_logits(self) -> list[float]:
         ptr = L.llama_get_logits_ith(self.ptr, -1)
         return ptr[: self.n_vocab]
