@@ -69,10 +69,16 @@ def ceiling_beside(probes: list[dict], seq: int, threads: int, key: str) -> dict
     return out
 
 
+def is_plain(m: dict) -> bool:
+    """One sequence from an empty F16 KV cache: the measurements the rule of thumb fits."""
+    return (m.get("kind", "single") == "single" and not m.get("depth")
+            and m.get("kv_type", "f16") == "f16")
+
+
 def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
-    """Effective bandwidth of every decode measurement and its share of the read ceiling."""
+    """Effective bandwidth of every plain decode measurement and its share of the read ceiling."""
     rows = []
-    for m in measurements:
+    for m in filter(is_plain, measurements):
         tok = m.get("decode_tok_s")
         model = models.get(m["model_key"])
         if not tok or not model:
@@ -141,9 +147,9 @@ def _verdict(fit: Fit, group: list[dict]) -> dict:
 
 
 def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
-    """Achieved GFLOP/s of every prefill and its share of the measured matmul peak."""
+    """Achieved GFLOP/s of every plain prefill and its share of the measured matmul peak."""
     rows = []
-    for m in measurements:
+    for m in filter(is_plain, measurements):
         tok = m.get("prefill_tok_s")
         model = models.get(m["model_key"])
         if not tok or not model:
@@ -243,7 +249,9 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
     decode = decode_rows(measurements, models, probes)
     prefill = prefill_rows(measurements, models, probes)
     fits = fit_verdicts(decode)
-    return {
+    from .levers import analyze_levers
+
+    return analyze_levers(measurements, models, probes) | {
         "type": "analysis", "ceilings": ceilings_summary(probes),
         "probe_errors": [p["error"] for p in probes if p.get("error")],
         "decode": decode, "fits": fits, "prefill": prefill,

@@ -22,6 +22,10 @@ class TensorEntry:
     n_bytes: int
 
     @property
+    def n_elements(self) -> int:
+        return self.n_rows * (self.shape[-1] if self.shape else 1)
+
+    @property
     def n_rows(self) -> int:
         rows = 1
         for dim in self.shape[:-1]:

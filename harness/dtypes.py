@@ -66,3 +66,13 @@ def get_dtype(name: object, *, source: str | None = None, key: str | None = "dty
         return DTYPES[name.lower()]
     raise HarnessError(f"unknown dtype {name!r}", source=source, key=key,
                        fix="valid dtypes: " + ", ".join(DTYPES))
+
+# Types llama.cpp's CPU backend can keep the KV cache in (llama-bench -ctk/-ctv); a quantized
+# V cache needs flash attention, whose kernel dequantizes V on the fly.
+KV_CACHE_TYPES = ("f32", "f16", "q8_0", "q4_0")
+KV_NEEDS_FLASH_ATTN = ("q8_0", "q4_0")
+
+
+def kv_block_size(name: str) -> int:
+    """Elements per block of a KV cache type: a head's K and V rows must be a multiple."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]][0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import llama_cpp as L
 
+from .dtypes import KV_CACHE_TYPES
 from .errors import Interrupted, MeasurementError
 
 _LOG_LOCK = threading.Lock()
@@ -165,11 +166,12 @@ class ContextParams:
     type_k: str = "f16"
     type_v: str = "f16"
     n_seq_max: int = 1
+    kv_unified: bool = False  # one cache buffer for all sequences (needed to share a prefix)
 
 
 _KV_TYPES = {"f32": L.GGML_TYPE_F32, "f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0,
              "q4_0": L.GGML_TYPE_Q4_0}
-KV_CACHE_TYPES = tuple(_KV_TYPES)
+assert set(_KV_TYPES) == set(KV_CACHE_TYPES)
 
 
 @dataclass
@@ -190,6 +192,7 @@ class Context:
         p.n_ctx, p.n_batch, p.n_ubatch = params.n_ctx, params.n_batch, params.n_ubatch
         p.n_threads = p.n_threads_batch = params.n_threads
         p.n_seq_max = params.n_seq_max
+        p.kv_unified = params.kv_unified
         p.no_perf = False  # the default turns the counters off
         p.type_k, p.type_v = _KV_TYPES[params.type_k], _KV_TYPES[params.type_v]
         p.abort_callback = _ABORT_CALLBACK
@@ -212,6 +215,68 @@ class Context:
         """Empty the KV cache and reset the perf counters."""
         L.llama_memory_clear(L.llama_get_memory(self.ptr), True)
         L.llama_perf_context_reset(self.ptr)
+
+    def reset_perf(self) -> None:
+        L.llama_perf_context_reset(self.ptr)
+
+    def trim(self, seq: int, n_keep: int) -> None:
+        """Drop a sequence's cache cells from position n_keep on (all of them for 0)."""
+        if not L.llama_memory_seq_rm(L.llama_get_memory(self.ptr), seq, n_keep, -1):
+            raise MeasurementError(f"llama.cpp could not trim sequence {seq} to {n_keep}",
+                                   source=str(self.model.path))
+
+    def n_cached(self, seq: int) -> int:
+        """Positions a sequence holds in the cache (0 when empty)."""
+        return int(L.llama_memory_seq_pos_max(L.llama_get_memory(self.ptr), seq)) + 1
+
+    def copy_seq(self, src: int, dst: int) -> None:
+        """Make dst share src's cells (a unified cache copies no data, only cell tags)."""
+        L.llama_memory_seq_cp(L.llama_get_memory(self.ptr), src, dst, -1, -1)
+
+    def save_seq(self, seq: int) -> ctypes.Array:
+        """A sequence's cache as bytes (llama_state_seq_get_data), for restore_seq."""
+        size = L.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        if L.llama_state_seq_get_data(self.ptr, buf, size, seq) != size:
+            raise MeasurementError("llama.cpp could not save a sequence's state",
+                                   source=str(self.model.path))
+        return buf
+
+    def restore_seq(self, buf: ctypes.Array, seq: int) -> None:
+        if not L.llama_state_seq_set_data(self.ptr, buf, len(buf), seq):
+            raise MeasurementError("llama.cpp could not restore a sequence's state",
+                                   source=str(self.model.path))
+
+    def prefill_seqs(self, prompts: Sequence[Sequence[int]], first_seq: int = 0,
+                     first_pos: int = 0) -> float:
+        """Prefill several sequences' prompts packed into n_batch-token batches (prompt i on
+        seq first_seq + i, from position first_pos); seconds until every last logit is ready."""
+        items = [(tok, first_pos + j, first_seq + i, j == len(p) - 1)
+                 for i, p in enumerate(prompts) for j, tok in enumerate(p)]
+        step = self.params.n_batch
+        with _Batch(min(step, len(items))) as batch:
+            start = time.perf_counter_ns()
+            for i in range(0, len(items), step):
+                batch.fill(items[i:i + step])
+                self._check(L.llama_decode(self.ptr, batch.raw), "prefill")
+            L.llama_synchronize(self.ptr)
+            return (time.perf_counter_ns() - start) / 1e9
+
+    def decode_parallel(self, steps: Sequence[Sequence[int]], first_pos: int) -> list[float]:
+        """Each step decodes one token of every sequence (token i on seq i, at first_pos +
+        step) in one batch, synchronized; seconds of each step."""
+        n_seq = len(steps[0]) if steps else 0
+        out = []
+        with _Batch(max(n_seq, 1)) as batch:
+            for k, tokens in enumerate(steps):
+                batch.fill([(tok, first_pos + k, i, True) for i, tok in enumerate(tokens)])
+                start = time.perf_counter_ns()
+                rc = L.llama_decode(self.ptr, batch.raw)
+                L.llama_synchronize(self.ptr)
+                out.append((time.perf_counter_ns() - start) / 1e9)
+                if rc:
+                    self._check(rc, "decode")
+        return out
 
     def prefill(self, tokens: Sequence[int]) -> float:
         """Decode a prompt in n_batch chunks; seconds until the last token's logits are ready."""
@@ -261,6 +326,28 @@ class Context:
         if self.ptr:
             L.llama_free(self.ptr)
             self.ptr = None
+
+
+class _Batch:
+    """A llama_batch of explicit (token, position, seq id, wants logits) entries."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.raw = L.llama_batch_init(capacity, 0, 1)
+
+    def fill(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        assert len(items) <= self.capacity
+        b = self.raw
+        for i, (token, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, logits
+        b.n_tokens = len(items)
+
+    def __enter__(self) -> _Batch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        L.llama_batch_free(self.raw)
 
 
 @contextlib.contextmanager

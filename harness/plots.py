@@ -12,6 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 GIB = 2**30
 
 
+def is_plain(m: dict) -> bool:
+    from .analysis import is_plain as plain
+
+    return plain(m)
+
+
 def _save(fig, out_dir: Path, name: str) -> str:
     for ext in ("png", "svg"):
         fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight")
@@ -53,7 +59,7 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
 
 
 def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
-    rows = [m for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s")]
+    rows = [m for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s") and is_plain(m)]
     if len({m["n_prompt"] for m in rows}) < 2:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -105,4 +111,7 @@ def write_plots(measurements: list[dict], analysis: dict, out_dir: Path) -> list
     out_dir.mkdir(parents=True, exist_ok=True)
     made = [decode_vs_bytes(analysis, out_dir), prefill_vs_prompt(measurements, out_dir),
             decode_per_token(measurements, out_dir)]
+    from .plots_levers import write_lever_plots
+
+    made += write_lever_plots(analysis, out_dir)
     return [m for m in made if m]

@@ -7,6 +7,7 @@ import io
 import json
 from dataclasses import dataclass, field
 
+from .analysis import is_plain
 from .noise import NOISY_CORES
 from .stats import UNSTABLE_CV
 
@@ -16,7 +17,17 @@ PLOTS = {
                        "and the measured read ceiling",
     "prefill_vs_prompt": "Prefill time and tok/s against prompt length",
     "decode_per_token": "Every decode step's time, repetition by repetition (warm-ups grey)",
+    "quant_speedup": "Decode and prefill speed-up of each weight type against its byte reduction",
+    "kv_depth": "Decode time per token against context depth, measured and predicted from bytes",
+    "batching": "Aggregate and per-sequence decode tok/s against the number of sequences",
+    "threads": "Speed-up of prefill and decode with threads, beside the ceilings' own scaling",
+    "prefix_cache": "Time to first token with the shared prefix recomputed or reused",
 }
+LEVER_TABLES = ("quant", "quant_composition", "kv_depth", "kv_memory", "batching", "threads",
+                "prefix")
+# A lever's plot goes right after its table; the others follow the last table.
+PLOT_AFTER = {"quant_speedup": "quant_composition", "kv_depth": "kv_memory",
+              "batching": "batching", "threads": "threads", "prefix_cache": "prefix"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,7 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
              "gflop_s": gflop.get(m["id"], {}).get("gflop_s"),
              "share": gflop.get(m["id"], {}).get("share_of_peak"),
              "n": m["repetitions"], "notes": _notes_for(m)}
-            for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s")]
+            for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s") and is_plain(m)]
     return Table("prefill", "Prefill: time to first token", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("prompt tokens", "n_prompt", "int"), Column("prefill time (s)", "seconds", "stat3"),
@@ -174,6 +185,9 @@ def report_data(records, analysis: dict) -> dict:
     tables = [prefill_table(records.measurements, analysis),
               decode_table(records.measurements, analysis), ceilings_table(analysis)]
     tables += predictions_tables(analysis) + [workloads_table(analysis)]
+    from .report_levers import lever_tables
+
+    tables += lever_tables(analysis)
     return {"scenario": header.get("scenario", {}), "env": header.get("env", {}),
             "created": header.get("created"), "harness": header.get("harness"),
             "tables": [t for t in tables if t.rows], "fits": analysis["fits"],
@@ -201,6 +215,14 @@ def _cell(value, kind: str) -> str:
         return f"{value:+.1%}"
     if kind == "gib":
         return f"{value / GIB:.2f}"
+    if kind == "gib3":
+        return f"{value / GIB:.3f}"
+    if kind == "mib":
+        return f"{value / 2**20:,.1f}"
+    if kind == "kib":
+        return f"{value / 2**10:,.1f}"
+    if kind == "x":
+        return f"{value:.2f}×"
     return str(value).replace("|", "\\|")
 
 
@@ -258,18 +280,34 @@ def render_markdown(data: dict, plots: list[str] | None = None) -> str:
                 "missing: " + ", ".join(f"`{m}`" for m in data["missing"]), ""]
     for f in data["failures"]:
         out += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}", ""]
+    plots = list(plots or [])
+    placed = {PLOT_AFTER[p.rsplit(".", 1)[0]]: p for p in plots
+              if PLOT_AFTER.get(p.rsplit(".", 1)[0]) in {t.name for t in data["tables"]}}
+    levers = [t.name for t in data["tables"] if t.name in LEVER_TABLES]
+    rest = [p for p in plots if p not in placed.values()]
     for t in data["tables"]:
+        if levers and t.name == levers[0]:
+            for name in rest:
+                out += _plot_line(name)
+            rest = []
+            out += ["## Levers", ""]
         out += [_markdown_table(t), ""]
         if t.name == "decode":
             out += _fit_lines(data["fits"])
-    for name in plots or []:
-        out += [f"![{PLOTS.get(name.rsplit('.', 1)[0], name)}]({name})", ""]
+        if t.name in placed:
+            out += _plot_line(placed[t.name])
+    for name in rest:
+        out += _plot_line(name)
     out += ["## Method", "", METHOD, "", "## Environment", "", *_env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", "",
             f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt byte-identically "
             "from the specs and seed; numbers will differ on another machine, and by a few "
             "percent between runs on this one.", ""]
     return "\n".join(out)
+
+
+def _plot_line(name: str) -> list[str]:
+    return [f"![{PLOTS.get(name.rsplit('.', 1)[0], name)}]({name})", ""]
 
 
 def _fit_lines(fits: list[dict]) -> list[str]:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-
-import numpy as np
 
 from . import __version__, noise
 from .build import build, estimated_n_bytes, file_sha256
@@ -19,13 +16,10 @@ from .dtypes import DTYPES
 from .env import available_ram_bytes
 from .errors import HarnessError, MeasurementError
 from .gguf_inspect import spec_from_gguf, tensor_table
+from .measure import measure, now_iso
 from .results import SCHEMA_VERSION, RunWriter
 from .scenario import Measurement, ModelRef, Scenario
 from .specs import ModelSpec, resolve_spec
-from .stats import is_unstable, rates, summarize
-
-PERF_TOLERANCE = 0.05  # llama.cpp's counters may differ from the wall clock by 5% at most
-FIRST_TOKEN = 259  # skip <unk>, <s>, </s> and the byte tokens: random "text" ids only
 
 
 class NoisyMachine(HarnessError):
@@ -41,10 +35,6 @@ class Console:
     warn: Callable[[str], None] = lambda msg: print(f"warning: {msg}", file=sys.stderr)
     info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
     advance: Callable[[dict], None] = lambda record: None
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def model_key(ref: ModelRef) -> str:
@@ -147,8 +137,7 @@ def check_resources(todo: list[Measurement], cache_dir: Path | None) -> None:
     available = available_ram_bytes()
     for key, group in groupby(todo, key=lambda m: model_key(m.model)):
         group = list(group)
-        need = memory_needed_bytes(group[0].model, max(m.n_ctx for m in group),
-                                   max(m.settings.n_ubatch for m in group))
+        need = max(memory_needed_bytes(m) for m in group)
         if available is not None and need > available:
             raise HarnessError(f"{key} needs about {need / 2**30:.2f} GiB of RAM (weights, KV "
                                f"cache, compute buffers), {available / 2**30:.2f} GiB is available",
@@ -159,17 +148,18 @@ def _spec_of(ref: ModelRef) -> ModelSpec:
     return spec_from_gguf(ref.gguf_path) if ref.gguf_path else resolve_spec(ref.ref)
 
 
-def memory_needed_bytes(ref: ModelRef, n_ctx: int, n_ubatch: int) -> int:
-    """Weights + F16 KV cache + an upper estimate of llama.cpp's compute buffers."""
+def memory_needed_bytes(m: Measurement) -> int:
+    """Weights + KV cache + an upper estimate of llama.cpp's compute buffers."""
+    ref, n_ctx = m.model, m.n_ctx
     spec = _spec_of(ref)
     weights = ref.gguf_path.stat().st_size if ref.gguf_path else estimated_n_bytes(
         spec, DTYPES[ref.dtype])
-    kv = kv_n_bytes_per_token(spec) * n_ctx
+    kv = kv_n_bytes_per_token(spec, m.kv_type, m.kv_type) * n_ctx
     # Activations of one ubatch: attention scores, FFN intermediates, the residual stream, and
     # one row of logits, in F32 (what llama.cpp's graph allocator reserves, within ~2x).
     per_token = (spec.num_attention_heads * n_ctx + 3 * spec.intermediate_size
                  + 4 * spec.hidden_size + spec.vocab_size)
-    compute = 4 * min(n_ubatch, n_ctx) * per_token
+    compute = 4 * min(m.settings.n_ubatch, n_ctx) * per_token
     return int(weights + kv + compute)
 
 
@@ -188,7 +178,8 @@ def _run_model(group: list[Measurement], writer: RunWriter, scenario: Scenario, 
     try:
         info = _model_record(writer, ref, path, model)
         for m in group:
-            writer.append(measure(model, m, info, scenario.seed, strict, console))
+            writer.append(measure(model, m, info, scenario.seed,
+                                  lambda where: _noise_gate(where, strict, console)))
             console.advance(writer.records.measurements[-1])
     finally:
         model.close()
@@ -213,8 +204,10 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
     table = tensor_table(path)
     spec = _spec_of(ref)
     types: dict[str, int] = {}
+    type_params: dict[str, int] = {}
     for t in table:
         types[t.type_name] = types.get(t.type_name, 0) + t.n_bytes
+        type_params[t.type_name] = type_params.get(t.type_name, 0) + t.n_elements
     writer.append({
         "type": "model", "key": key, "model": ref.label, "dtype": ref.dtype, "path": str(path),
         "file_n_bytes": path.stat().st_size, "sha256": file_sha256(path),
@@ -222,7 +215,8 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
         "weights_n_bytes": weights_n_bytes(table),
         "decode_weight_n_bytes": decode_weight_n_bytes(table),
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
-        "tensor_type_n_bytes": types, "spec": spec.to_dict(),
+        "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
+        "spec": spec.to_dict(),
     })
     return writer.records.models[key]
 
@@ -235,97 +229,3 @@ def _noise_gate(where: str, strict: bool, console: Console) -> float:
             raise NoisyMachine(message, fix="stop them and rerun with --resume")
         console.warn(message)
     return cores
-
-
-def measure(model, m: Measurement, info: dict, seed: int, strict: bool,
-            console: Console) -> dict:
-    """Warm up, then time every repetition of one measurement; return its record."""
-    from .llama import ContextParams, check_abort, open_context
-
-    s = m.settings
-    params = ContextParams(n_ctx=max(m.n_ctx, 16), n_batch=s.n_batch, n_ubatch=s.n_ubatch,
-                           n_threads=s.threads, flash_attn=s.flash_attn)
-    idle = _noise_gate(f"before {m.id}", strict, console)
-    started = now_iso()
-    with open_context(model, params) as ctx:
-        rng = np.random.default_rng([seed, m.n_prompt, m.n_gen])
-        prompt = rng.integers(FIRST_TOKEN, ctx.n_vocab, m.n_prompt).tolist()
-        gen = rng.integers(FIRST_TOKEN, ctx.n_vocab, m.n_gen).tolist()
-
-        def repetition() -> dict:
-            ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
-            prefill_s = ctx.prefill(prompt) if prompt else None
-            decode_s = ctx.decode(gen) if gen else []
-            return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
-
-        try:
-            warmups = [repetition() for _ in range(s.warmup)]
-            before = noise.snapshot()
-            reps = []
-            for _ in range(s.repetitions):
-                check_abort()
-                reps.append(repetition())
-            during = noise.other_cores(before, noise.snapshot())
-        except MeasurementError as exc:
-            exc.step = f"measure {m.id}"
-            raise
-    return _record(m, info, warmups, reps, {"idle_other_cores": idle,
-                                            "during_other_cores": during}, started)
-
-
-def _record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict], noise_reading,
-            started: str) -> dict:
-    s = m.settings
-    prefill = [r["prefill_s"] for r in reps if r["prefill_s"] is not None]
-    decode_totals = [sum(r["decode_s"]) for r in reps if r["decode_s"]]
-    record = {
-        "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
-        "model_key": model_key(m.model), "dtype": m.model.dtype, "threads": s.threads,
-        "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "flash_attn": s.flash_attn,
-        "n_prompt": m.n_prompt, "n_gen": m.n_gen, "repetitions": s.repetitions,
-        "warmup": s.warmup, "n_params": info["n_params"], "model_bytes": info["model_n_bytes"],
-        "samples": {"prefill_s": prefill, "decode_s": [r["decode_s"] for r in reps],
-                    "perf": [r["perf"] for r in reps]},
-        "warmup_samples": {"prefill_s": [r["prefill_s"] for r in warmups],
-                           "decode_s": [r["decode_s"] for r in warmups]},
-        "ttft_s": summarize(prefill) if prefill else None,
-        "prefill_tok_s": summarize(rates(m.n_prompt, prefill)) if prefill else None,
-        "decode_tok_s": summarize(rates(m.n_gen, decode_totals)) if decode_totals else None,
-        "decode_ms_per_token": (summarize([1000 * t / m.n_gen for t in decode_totals])
-                                if decode_totals else None),
-        "noise": noise_reading, "started": started, "finished": now_iso(),
-    }
-    record["flags"] = flags(record)
-    return record
-
-
-def flags(record: dict) -> list[str]:
-    """Why a measurement should be read with care: unstable, noisy, counters disagree."""
-    out = []
-    for phase in ("prefill", "decode"):
-        summary = record[f"{phase}_tok_s"]
-        if summary and is_unstable(summary):
-            out.append(f"unstable-{phase}")
-    reading = record["noise"]
-    during = reading["during_other_cores"]
-    if reading["idle_other_cores"] > noise.NOISY_CORES or (during or 0) > noise.NOISY_CORES:
-        out.append("noisy")
-    if _perf_disagrees(record):
-        out.append("perf-mismatch")
-    return out
-
-
-def _perf_disagrees(record: dict) -> bool:
-    samples = record["samples"]
-    for i, perf in enumerate(samples["perf"]):
-        prefill_off = (samples["prefill_s"] and perf["n_p_eval"]
-                       and _off(perf["t_p_eval_ms"] / 1000, samples["prefill_s"][i]))
-        decode_off = (samples["decode_s"][i] and perf["n_eval"]
-                      and _off(perf["t_eval_ms"] / 1000, sum(samples["decode_s"][i])))
-        if prefill_off or decode_off:
-            return True
-    return False
-
-
-def _off(counter_s: float, wall_s: float) -> bool:
-    return wall_s > 0 and abs(counter_s - wall_s) / wall_s > PERF_TOLERANCE

@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .dtypes import get_dtype
+from .dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from .errors import HarnessError
 from .specs import resolve_spec
 from .yamlio import (
@@ -24,10 +24,12 @@ from .yamlio import (
 MAX_TOKENS = 1 << 20
 MAX_REPETITIONS = 1000
 MAX_THREADS = 1024
+MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "tests"]
 _OVERRIDES = ["threads", "repetitions", "warmup", "n_batch", "n_ubatch", "flash_attn"]
-_TEST_KEYS = ["name", "prompt", "generate", *_OVERRIDES]
+_LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
+_TEST_KEYS = ["name", "prompt", "generate", *_LEVERS, *_OVERRIDES]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ModelRef:
     gguf_path: Path | None
     dtype: str  # the dtype to build; "file" for a .gguf path
     max_context: int  # the model's trained context length
+    head_dim: int = 0  # per-head K/V size, which a quantized KV cache's blocks must divide
 
     @property
     def label(self) -> str:
@@ -66,17 +69,39 @@ class Measurement:
     n_gen: int
     settings: Settings
     test_name: str
+    depth: int = 0  # tokens already in the KV cache, filled untimed before the timed work
+    kv_type: str = "f16"  # the KV cache's type (K and V alike)
+    parallel: int = 1  # independent sequences decoded together, one seq id each
+    shared_prefix: int = 0  # tokens of a cached prefix before the prompt (time to first token)
 
     @property
     def id(self) -> str:
         s = self.settings
         fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
-        return (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
+        base = (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
                 f"ub{s.n_ubatch}|fa-{fa}|pp{self.n_prompt}|tg{self.n_gen}")
+        # Levers at their defaults add nothing, so the ids of older runs stay valid.
+        extra = [f"d{self.depth}" if self.depth else "",
+                 f"kv-{self.kv_type}" if self.kv_type != "f16" else "",
+                 f"np{self.parallel}" if self.parallel != 1 else "",
+                 f"px{self.shared_prefix}" if self.shared_prefix else ""]
+        return "|".join([base, *(e for e in extra if e)])
+
+    @property
+    def n_seq_ctx(self) -> int:
+        """Positions one sequence uses: cached prefix or depth, prompt, generation."""
+        return self.shared_prefix + self.depth + self.n_prompt + self.n_gen
 
     @property
     def n_ctx(self) -> int:
-        return self.n_prompt + self.n_gen
+        """KV cache cells the context needs, over all its sequences."""
+        return self.parallel * self.n_seq_ctx
+
+    @property
+    def kind(self) -> str:
+        if self.shared_prefix:
+            return "prefix_cache"
+        return "batched" if self.parallel > 1 else "single"
 
 
 @dataclass(frozen=True)
@@ -158,9 +183,10 @@ def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
         path = Path(ref)
         check_gguf_file(path)
         spec = spec_from_gguf(path)  # refuses unsupported architectures now, not mid-run
-        return [ModelRef(ref, None, path, "file", spec.max_position_embeddings)]
+        return [ModelRef(ref, None, path, "file", spec.max_position_embeddings, spec.head_dim)]
     spec = resolve_spec(ref)
-    return [ModelRef(ref, spec.name, None, d, spec.max_position_embeddings) for d in dtypes]
+    return [ModelRef(ref, spec.name, None, d, spec.max_position_embeddings, spec.head_dim)
+            for d in dtypes]
 
 
 def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[int]:
@@ -168,9 +194,30 @@ def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[
     for i, item in enumerate(_list(doc, path, value, allow_scalar=True)):
         if item == "auto":
             out.append(physical_cores)
+        elif isinstance(item, str) and ".." in item:
+            out += _thread_range(doc, path + (i,), item, physical_cores)
         else:
             out.append(want_int(doc, path + (i,), item, minimum=1, maximum=MAX_THREADS))
     return out
+
+
+def _thread_range(doc: Doc, path: tuple, text: str, physical_cores: int) -> list[int]:
+    """"1..auto" or "1..8": every thread count from the first to the last."""
+    ends = []
+    for part in text.split("..", 1):
+        part = part.strip()
+        if part == "auto":
+            ends.append(physical_cores)
+        elif part.isdigit() and 1 <= int(part) <= MAX_THREADS:
+            ends.append(int(part))
+        else:
+            raise doc.error(path, f"bad thread range {text!r}",
+                            fix=f'write "FIRST..LAST" with whole numbers from 1 to {MAX_THREADS} '
+                                'or auto, e.g. "1..auto"')
+    if ends[0] > ends[1]:
+        raise doc.error(path, f"thread range {text!r} runs backwards",
+                        fix="put the smaller count first")
+    return list(range(ends[0], ends[1] + 1))
 
 
 def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
@@ -206,34 +253,90 @@ def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],
     check_keys(doc, path, test, _TEST_KEYS, ("prompt",))
     prompts = _token_counts(doc, path + ("prompt",), test["prompt"])
     gens = _token_counts(doc, path + ("generate",), test.get("generate", 0))
+    levers = _levers(doc, path, test)
     label = want_str(doc, path + ("name",), test.get("name", f"test {path[-1] + 1}"))
     # A test's own threads replace the scenario's list, so keep each setting once.
     settings_list = list(dict.fromkeys(
         s for base in bases for s in _settings(doc, path, test, base, physical_cores)))
     out = []
     for settings in settings_list:
-        for model, n_prompt, n_gen in itertools.product(models, prompts, gens):
+        for model, n_prompt, n_gen, lever in itertools.product(models, prompts, gens, levers):
             if n_prompt + n_gen == 0:
                 raise doc.error(path + ("prompt",), "prompt and generate are both 0",
                                 fix="measure at least one token")
-            _check_context(doc, path, model, n_prompt + n_gen)
-            out.append(Measurement(model, n_prompt, n_gen, settings, label))
+            m = Measurement(model, n_prompt, n_gen, settings, label, **lever)
+            _check_lever(doc, path, m)
+            _check_context(doc, path, m)
+            out.append(m)
     return out
 
 
+def _levers(doc: Doc, path: tuple, test: dict) -> list[dict]:
+    """The cross product of a test's depth, KV cache type, parallel and shared_prefix lists."""
+    depths = _token_counts(doc, path + ("depth",), test.get("depth", 0))
+    kv_types = []
+    for i, v in enumerate(_list(doc, path + ("kv_cache_type",), test.get("kv_cache_type", "f16"),
+                                allow_scalar=True)):
+        key = path + ("kv_cache_type",) + ((i,) if isinstance(test.get("kv_cache_type"),
+                                                                 list) else ())
+        if not isinstance(v, str) or v.lower() not in KV_CACHE_TYPES:
+            raise doc.error(key, f"unknown KV cache type {v!r}",
+                            fix="valid KV cache types: " + ", ".join(KV_CACHE_TYPES))
+        kv_types.append(v.lower())
+    parallels = _counts(doc, path + ("parallel",), test.get("parallel", 1), 1, MAX_PARALLEL)
+    prefixes = _token_counts(doc, path + ("shared_prefix",), test.get("shared_prefix", 0))
+    return [{"depth": d, "kv_type": k, "parallel": p, "shared_prefix": x}
+            for d, k, p, x in itertools.product(depths, kv_types, parallels, prefixes)]
+
+
+def _check_lever(doc: Doc, path: tuple, m: Measurement) -> None:
+    """Combinations the runner cannot measure honestly are refused at load."""
+    s = m.settings
+    if m.kv_type in KV_NEEDS_FLASH_ATTN and s.flash_attn is False:
+        raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache needs flash "
+                        "attention (llama.cpp dequantizes V inside it)",
+                        fix="set flash_attn: true (or auto), or use kv_cache_type: f16")
+    block = kv_block_size(m.kv_type)
+    if m.model.head_dim % block:
+        raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache stores blocks of "
+                        f"{block}, which do not divide {m.model.label}'s head size "
+                        f"{m.model.head_dim}", fix="use kv_cache_type: f16 for this model")
+    if m.parallel > 1 and (m.depth or m.shared_prefix):
+        raise doc.error(path + ("parallel",), "parallel sequences cannot be combined with "
+                        "depth or shared_prefix in one test", fix="measure them in separate tests")
+    if m.parallel > s.n_batch:
+        raise doc.error(path + ("parallel",), f"{m.parallel} sequences do not fit one batch of "
+                        f"n_batch {s.n_batch}", fix=f"set n_batch to at least {m.parallel}")
+    if m.shared_prefix and m.n_gen:
+        raise doc.error(path + ("generate",), "a shared_prefix test times the first token only",
+                        fix="set generate: 0 in this test")
+    if m.shared_prefix and not m.n_prompt:
+        raise doc.error(path + ("prompt",), "a shared_prefix test needs a prompt (the question "
+                        "after the prefix)", fix="set prompt to at least 1")
+    if m.shared_prefix and m.depth:
+        raise doc.error(path + ("depth",), "depth and shared_prefix both fill the cache before "
+                        "the prompt", fix="use one of them")
+
+
 def _token_counts(doc: Doc, path: tuple, value: object) -> list[int]:
+    return _counts(doc, path, value, 0, MAX_TOKENS)
+
+
+def _counts(doc: Doc, path: tuple, value: object, minimum: int, maximum: int) -> list[int]:
     if isinstance(value, list):
-        return [want_int(doc, path + (i,), v, minimum=0, maximum=MAX_TOKENS)
+        return [want_int(doc, path + (i,), v, minimum=minimum, maximum=maximum)
                 for i, v in enumerate(_list(doc, path, value))]
-    return [want_int(doc, path, value, minimum=0, maximum=MAX_TOKENS)]
+    return [want_int(doc, path, value, minimum=minimum, maximum=maximum)]
 
 
-def _check_context(doc: Doc, path: tuple, model: ModelRef, n_ctx: int) -> None:
-    limit = model.max_context
-    if n_ctx > limit:
-        raise doc.error(path + ("prompt",), f"prompt + generate = {n_ctx:,} tokens exceeds "
-                        f"{model.label}'s context length {limit:,}",
-                        fix=f"keep prompt + generate at most {limit:,}")
+def _check_context(doc: Doc, path: tuple, m: Measurement) -> None:
+    limit, n = m.model.max_context, m.n_seq_ctx
+    if n > limit:
+        parts = [k for k, v in (("shared_prefix", m.shared_prefix), ("depth", m.depth),
+                                ("prompt", True), ("generate", True)) if v]
+        raise doc.error(path + ("prompt",), f"{' + '.join(parts)} = {n:,} tokens exceeds "
+                        f"{m.model.label}'s context length {limit:,}",
+                        fix=f"keep {' + '.join(parts)} at most {limit:,}")
 
 
 def _check_unique(doc: Doc, measurements: list[Measurement]) -> None:

@@ -8,6 +8,7 @@ from conftest import assert_user_error
 from harness import runner
 from harness.errors import HarnessError
 from harness.results import RunWriter, read_records
+from harness.measure import measure
 from harness.runner import Console, run_scenario
 from harness.scenario import load_scenario
 
@@ -106,7 +107,7 @@ def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
     m = next(x for x in plan.measurements if x.n_gen and x.model.dtype == "f32")
     built = build(resolve_spec(m.model.spec_name), DTYPES["f32"])
     with Model(built.path) as model:
-        record = runner.measure(model, m, {"n_params": 1, "model_n_bytes": 1}, 0, False, QUIET)
+        record = measure(model, m, {"n_params": 1, "model_n_bytes": 1}, 0, lambda where: 0.0)
     prefill = record["samples"]["prefill_s"]
     assert len(prefill) == 3
     # no reuse: later repetitions do the full prefill, not ~0

@@ -1,0 +1,238 @@
+"""One measurement: warm up, then time every repetition of its kind of work.
+
+Kinds: single (prompt then decode, optionally at a context depth filled untimed), batched
+(B sequences decoded together, one token each per llama_decode) and prefix_cache (time to
+first token with a shared prefix recomputed, shared by a sequence copy, or restored from a
+saved state).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import numpy as np
+
+from . import noise
+from .errors import MeasurementError
+from .scenario import Measurement
+from .stats import is_unstable, rates, summarize
+
+PERF_TOLERANCE = 0.05  # llama.cpp's counters may differ from the wall clock by 5% at most
+FIRST_TOKEN = 259  # skip <unk>, <s>, </s> and the byte tokens: random "text" ids only
+REUSE_METHODS = ("seq_copy", "state_restore")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def context_params(m: Measurement):
+    from .llama import ContextParams
+
+    s = m.settings
+    common = dict(n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.threads,
+                  flash_attn=s.flash_attn, type_k=m.kv_type, type_v=m.kv_type)
+    if m.kind == "prefix_cache":
+        # seq 0 keeps the prefix, seq 1 shares its cells: that needs one unified buffer.
+        n_ctx = m.shared_prefix + 2 * m.n_prompt
+        return ContextParams(n_ctx=max(n_ctx, 16), n_seq_max=2, kv_unified=True, **common)
+    # Independent sequences each get their own n_ctx / n_seq_max cells (llama.cpp's default).
+    return ContextParams(n_ctx=max(m.n_ctx, 16 * m.parallel), n_seq_max=m.parallel, **common)
+
+
+def measure(model, m: Measurement, info: dict, seed: int, gate: Callable[[str], float]) -> dict:
+    """Warm up, then time every repetition of one measurement; return its record."""
+    from .llama import check_abort, open_context
+
+    s = m.settings
+    idle = gate(f"before {m.id}")
+    started = now_iso()
+    with open_context(model, context_params(m)) as ctx:
+        rng = np.random.default_rng([seed, m.n_prompt, m.n_gen, m.depth, m.parallel,
+                                     m.shared_prefix])
+        try:
+            setup, repetition = WORKLOADS[m.kind](ctx, m, rng)
+            warmups = [repetition() for _ in range(s.warmup)]
+            before = noise.snapshot()
+            reps = []
+            for _ in range(s.repetitions):
+                check_abort()
+                reps.append(repetition())
+            during = noise.other_cores(before, noise.snapshot())
+        except MeasurementError as exc:
+            exc.step = f"measure {m.id}"
+            raise
+    return make_record(m, info, warmups, reps, setup,
+                       {"idle_other_cores": idle, "during_other_cores": during}, started)
+
+
+def _tokens(rng, n_vocab: int, shape) -> list:
+    return rng.integers(FIRST_TOKEN, n_vocab, shape).tolist()
+
+
+def _expect_cached(ctx, seq: int, n: int, when: str) -> None:
+    """The cache must hold exactly what the measurement put there, or its numbers are wrong."""
+    got = ctx.n_cached(seq)
+    if got != n:
+        raise MeasurementError(f"sequence {seq} holds {got} cached positions {when}, "
+                               f"expected {n}", source=str(ctx.model.path))
+
+
+def _single(ctx, m: Measurement, rng):
+    """Prompt then decode on one sequence, after `depth` tokens filled once, untimed."""
+    prompt, gen = _tokens(rng, ctx.n_vocab, m.n_prompt), _tokens(rng, ctx.n_vocab, m.n_gen)
+    setup = {}
+    if m.depth:
+        setup["depth_fill_s"] = ctx.prefill(_tokens(rng, ctx.n_vocab, m.depth))
+
+    def repetition() -> dict:
+        if m.depth:
+            ctx.trim(0, m.depth)  # back to exactly the filled depth
+            _expect_cached(ctx, 0, m.depth, "after trimming to the depth")
+            ctx.reset_perf()
+        else:
+            ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
+        prefill_s = ctx.prefill(prompt) if prompt else None
+        decode_s = ctx.decode(gen) if gen else []
+        return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
+
+    return setup, repetition
+
+
+def _batched(ctx, m: Measurement, rng):
+    """B sequences: their prompts packed into batches, then n_gen steps of B tokens each."""
+    prompts = [_tokens(rng, ctx.n_vocab, m.n_prompt) for _ in range(m.parallel)]
+    steps = _tokens(rng, ctx.n_vocab, (m.n_gen, m.parallel))
+
+    def repetition() -> dict:
+        ctx.clear()
+        prefill_s = ctx.prefill_seqs(prompts) if m.n_prompt else None
+        decode_s = ctx.decode_parallel(steps, m.n_prompt) if m.n_gen else []
+        for seq in (0, m.parallel - 1):
+            _expect_cached(ctx, seq, m.n_prompt + m.n_gen, "after the batched decode")
+        return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
+
+    return {}, repetition
+
+
+def _prefix_cache(ctx, m: Measurement, rng):
+    """Time to first token of prefix + question: recomputed, shared by a sequence copy in a
+    unified cache (no data moves), and restored from a saved sequence state (a copy in)."""
+    prefix = _tokens(rng, ctx.n_vocab, m.shared_prefix)
+    question = _tokens(rng, ctx.n_vocab, m.n_prompt)
+    ctx.clear()
+    ctx.prefill(prefix)
+    state = ctx.save_seq(0)
+    n_prefix = m.shared_prefix
+
+    def repetition() -> dict:
+        ctx.clear()
+        recompute_s = ctx.prefill(prefix + question)
+        ctx.trim(0, n_prefix)
+        start = time.perf_counter_ns()
+        ctx.copy_seq(0, 1)
+        ctx.prefill_seqs([question], first_seq=1, first_pos=n_prefix)
+        seq_copy_s = (time.perf_counter_ns() - start) / 1e9
+        _expect_cached(ctx, 1, n_prefix + m.n_prompt, "after the sequence copy")
+        ctx.clear()
+        start = time.perf_counter_ns()
+        ctx.restore_seq(state, 0)
+        ctx.prefill(question)
+        restore_s = (time.perf_counter_ns() - start) / 1e9
+        _expect_cached(ctx, 0, n_prefix + m.n_prompt, "after the state restore")
+        return {"prefill_s": recompute_s, "decode_s": [], "perf": asdict(ctx.perf()),
+                "reuse_s": {"seq_copy": seq_copy_s, "state_restore": restore_s}}
+
+    return {"state_n_bytes": len(state)}, repetition
+
+
+WORKLOADS = {"single": _single, "batched": _batched, "prefix_cache": _prefix_cache}
+
+
+def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict],
+                setup: dict, noise_reading: dict, started: str) -> dict:
+    s = m.settings
+    prefill = [r["prefill_s"] for r in reps if r["prefill_s"] is not None]
+    decode_totals = [sum(r["decode_s"]) for r in reps if r["decode_s"]]
+    n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
+    record = {
+        "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
+        "model_key": f"{m.model.label}|{m.model.dtype}", "dtype": m.model.dtype,
+        "threads": s.threads, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch,
+        "flash_attn": s.flash_attn, "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
+        "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,
+        "shared_prefix": m.shared_prefix, "repetitions": s.repetitions, "warmup": s.warmup,
+        "n_params": info["n_params"], "model_bytes": info["model_n_bytes"],
+        "setup": setup,
+        "samples": {"prefill_s": prefill, "decode_s": [r["decode_s"] for r in reps],
+                    "perf": [r["perf"] for r in reps]},
+        "warmup_samples": {"prefill_s": [r["prefill_s"] for r in warmups],
+                           "decode_s": [r["decode_s"] for r in warmups]},
+        "ttft_s": summarize(prefill) if prefill else None,
+        "prefill_tok_s": summarize(rates(n_prefill, prefill)) if prefill else None,
+        # Tokens served per second: every sequence's tokens (the aggregate when batched).
+        "decode_tok_s": (summarize(rates(m.parallel * m.n_gen, decode_totals))
+                         if decode_totals else None),
+        # Per step: the gap between two tokens of one sequence.
+        "decode_ms_per_token": (summarize([1000 * t / m.n_gen for t in decode_totals])
+                                if decode_totals else None),
+        "noise": noise_reading, "started": started, "finished": now_iso(),
+    }
+    if m.parallel > 1 and decode_totals:
+        record["per_sequence_tok_s"] = summarize(rates(m.n_gen, decode_totals))
+    if m.kind == "prefix_cache":
+        record["samples"]["reuse_s"] = {k: [r["reuse_s"][k] for r in reps]
+                                        for k in REUSE_METHODS}
+        record["warmup_samples"]["reuse_s"] = {k: [r["reuse_s"][k] for r in warmups]
+                                               for k in REUSE_METHODS}
+        record["ttft_reuse_s"] = {k: summarize(v) for k, v in record["samples"]["reuse_s"].items()}
+    record["flags"] = flags(record)
+    return record
+
+
+def flags(record: dict) -> list[str]:
+    """Why a measurement should be read with care: unstable, noisy, counters disagree."""
+    out = []
+    for phase in ("prefill", "decode"):
+        summary = record[f"{phase}_tok_s"]
+        if summary and is_unstable(summary):
+            out.append(f"unstable-{phase}")
+    for method, summary in (record.get("ttft_reuse_s") or {}).items():
+        if is_unstable(summary):
+            out.append(f"unstable-{method}")
+    reading = record["noise"]
+    during = reading["during_other_cores"]
+    if reading["idle_other_cores"] > noise.NOISY_CORES or (during or 0) > noise.NOISY_CORES:
+        out.append("noisy")
+    if _perf_disagrees(record):
+        out.append("perf-mismatch")
+    return out
+
+
+def _perf_disagrees(record: dict) -> bool:
+    samples = record["samples"]
+    kind = record.get("kind", "single")
+    if kind == "prefix_cache":
+        return False  # the counters mix three prefills per repetition
+    for i, perf in enumerate(samples["perf"]):
+        prefill_wall = samples["prefill_s"][i] if samples["prefill_s"] else 0.0
+        decode_wall = sum(samples["decode_s"][i])
+        if kind == "batched":  # a multi-token batch counts as prompt eval: compare totals
+            counted = perf["t_p_eval_ms"] + perf["t_eval_ms"]
+            if counted and _off(counted / 1000, prefill_wall + decode_wall):
+                return True
+            continue
+        prefill_off = prefill_wall and perf["n_p_eval"] and _off(perf["t_p_eval_ms"] / 1000,
+                                                                  prefill_wall)
+        decode_off = decode_wall and perf["n_eval"] and _off(perf["t_eval_ms"] / 1000,
+                                                              decode_wall)
+        if prefill_off or decode_off:
+            return True
+    return False
+
+
+def _off(counter_s: float, wall_s: float) -> bool:
+    return wall_s > 0 and abs(counter_s - wall_s) / wall_s > PERF_TOLERANCE

@@ -1,0 +1,137 @@
+"""Plots of the lever sections (matplotlib, no display); each returns its PNG name or None."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .plots import _save, plt
+
+
+def _groups(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("quant") or []
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = max(r["byte_reduction"] for r in rows) * 1.1
+    ax.plot([1, top], [1, top], "--", color="0.6", label="speed-up = byte reduction")
+    for (model, threads), group in _groups(rows, "model", "threads").items():
+        for phase, marker in (("decode", "o"), ("prefill", "s")):
+            pts = [(r["byte_reduction"], r[f"{phase}_speedup"], r["dtype"]) for r in group
+                   if r.get(f"{phase}_speedup")]
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, ls="none",
+                    label=f"{phase}: {model} ({threads} threads)")
+            for x, y, dtype in pts:
+                ax.annotate(dtype, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("byte reduction per decode step (× fewer bytes than the widest type)")
+    ax.set_ylabel("speed-up")
+    ax.set_title("Quantization: speed-up against byte reduction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "quant_speedup")
+
+
+def kv_depth(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("kv_depth") or []
+    if len({r["depth"] for r in rows}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, group in _groups(rows, "model", "dtype", "kv_type", "threads").items():
+        group = sorted(group, key=lambda r: r["depth"])
+        depths = [r["depth"] for r in group]
+        base = group[0]["ms_per_token"]["mean"] / group[0]["measured_slowdown"]
+        line, = ax.plot(depths, [r["ms_per_token"]["mean"] for r in group], "o-",
+                        label=f"{key[0]} {key[1]}, KV {key[2]}: measured")
+        ax.plot(depths, [base * r["predicted_slowdown"] for r in group], "--",
+                color=line.get_color(), label=f"KV {key[2]}: predicted from bytes")
+    ax.set_xlabel("context depth (tokens already in the KV cache)")
+    ax.set_ylabel("decode ms/token")
+    ax.set_title("Decode at context depth")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "kv_depth")
+
+
+def batching(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("batching") or []
+    if not rows:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, group in _groups(rows, "model", "dtype", "threads").items():
+        group = sorted(group, key=lambda r: r["parallel"])
+        b = [r["parallel"] for r in group]
+        label = f"{key[0]} {key[1]} ({key[2]} threads)"
+        line, = a1.plot(b, [r["tok_s"]["mean"] for r in group], "o-", label=f"{label}: measured")
+        if all(r["bound_tok_s"] for r in group):
+            a1.plot(b, [r["bound_tok_s"] for r in group], "--", color=line.get_color(),
+                    label="roofline bound from the measured ceilings")
+        a2.plot(b, [r["per_sequence_tok_s"]["mean"] for r in group], "o-", label=label)
+    a1.set_ylabel("aggregate tokens/s")
+    a2.set_ylabel("tokens/s each sequence sees")
+    for ax in (a1, a2):
+        ax.set_xlabel("sequences decoded together")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Batching independent sequences")
+    return _save(fig, out_dir, "batching")
+
+
+def threads(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("threads") or []
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = max(r["threads"] for r in rows)
+    ax.plot([1, top], [1, top], ":", color="0.6", label="ideal (speed-up = threads)")
+    for key, group in _groups(rows, "phase", "model", "dtype", "n_prompt", "n_gen").items():
+        group = sorted(group, key=lambda r: r["threads"])
+        t = [r["threads"] for r in group]
+        line, = ax.plot(t, [r["speedup"] for r in group], "o-", label=f"{key[0]}: {key[1]} "
+                        f"{key[2]}")
+        if all(r["ceiling_speedup"] for r in group):
+            ax.plot(t, [r["ceiling_speedup"] for r in group], "--", color=line.get_color(),
+                    label=f"{'matmul peak' if key[0] == 'prefill' else 'read bandwidth'}")
+    ax.set_xlabel("threads")
+    ax.set_ylabel("speed-up over the fewest threads")
+    ax.set_title("Thread scaling: prefill follows compute, decode follows bandwidth")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "threads")
+
+
+def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("prefix") or []
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 1.1 * len(rows)))
+    methods = [("recompute_s", "recomputed"), ("state_restore_s", "state restore"),
+               ("seq_copy_s", "sequence copy")]
+    height = 0.8 / len(methods)
+    for j, (key, label) in enumerate(methods):
+        ys = [i + j * height for i in range(len(rows))]
+        ax.barh(ys, [r[key]["mean"] for r in rows], height, label=label)
+    ax.set_yticks([i + height for i in range(len(rows))],
+                  [f"{r['model']} {r['dtype']}\n{r['shared_prefix']} + {r['n_prompt']} tokens"
+                   for r in rows], fontsize=8)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_title("Prefix caching")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "prefix_cache")
+
+
+def write_lever_plots(analysis: dict, out_dir: Path) -> list[str | None]:
+    return [quant_speedup(analysis, out_dir), kv_depth(analysis, out_dir),
+            batching(analysis, out_dir), threads(analysis, out_dir),
+            prefix_cache(analysis, out_dir)]

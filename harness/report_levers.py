@@ -1,0 +1,173 @@
+"""Report sections of the levers: quantization, KV cache, batching, threads, prefix caching."""
+
+from __future__ import annotations
+
+from .report import Column, Table, _notes_for
+
+GIB = 2**30
+
+
+def _shares(shares: dict) -> str:
+    return ", ".join(f"{t} {s:.0%}" for t, s in shares.items() if s >= 0.005)
+
+
+def quant_tables(analysis: dict) -> list[Table]:
+    rows = analysis.get("quant") or []
+    if not rows:
+        return []
+    speed = Table("quant", "Quantization: fewer bytes per token, faster decode", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("bits/weight", "bits_per_weight", "f2"), Column("size (GiB)", "file_n_bytes", "gib"),
+        Column("read per token (GiB)", "bytes_per_token", "gib"),
+        Column("byte reduction", "byte_reduction", "x"),
+        Column("decode tok/s", "decode_tok_s", "stat"),
+        Column("decode speed-up", "decode_speedup", "x"),
+        Column("prefill tok/s", "prefill_tok_s", "stat"),
+        Column("prefill speed-up", "prefill_speedup", "x"),
+        Column("speed-up ÷ byte reduction", "speedup_per_byte_reduction", "f2")], rows,
+        [f"Speed-ups and byte reductions are against {rows[0]['baseline'].upper()} of the same "
+         "model. If decode were purely bandwidth-bound, its speed-up would equal the byte "
+         "reduction (last column 1.00); below 1, dequantizing the blocks costs CPU time that "
+         "the saved bytes do not cover on these cores.",
+         "Prefill multiplies whole matrices (compute-bound), so fewer bytes help it little; "
+         "quantized types can even be slower there, as the blocks are unpacked per tile."])
+    comp = Table("quant_composition", "What each file really holds", [
+        Column("model", "model"), Column("dtype", "dtype"),
+        Column("bits/weight", "bits_per_weight", "f2"),
+        Column("share of weights by type", "params"), Column("share of bytes by type", "bytes")],
+        list({(r["model"], r["dtype"]): {
+            "model": r["model"], "dtype": r["dtype"], "bits_per_weight": r["bits_per_weight"],
+            "params": _shares(r["params_share"]), "bytes": _shares(r["bytes_share"])}
+            for r in rows}.values()),
+        ["Read from each file's tensor table. bits/weight = 8 × all tensor bytes ÷ all weights. "
+         "llama.cpp's quantize recipes keep norms in F32, give some tensors (the output layer, "
+         "V and FFN-down in the K-quant mixes) more bits, and fall back to another type for "
+         "any tensor whose rows are not a multiple of the type's block (256 for K-quants)."])
+    return [speed, comp]
+
+
+def kv_tables(analysis: dict) -> list[Table]:
+    rows = analysis.get("kv_depth") or []
+    if not rows:
+        return []
+    depth = Table("kv_depth", "KV cache: decode at context depth", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("KV type", "kv_type"), Column("depth", "depth", "int"),
+        Column("KV per token (KiB)", "kv_n_bytes_per_token", "kib"),
+        Column("KV read per step (MiB)", "kv_n_bytes", "mib"),
+        Column("read per step (GiB)", "bytes_per_token", "gib"),
+        Column("decode tok/s", "tok_s", "stat"), Column("ms/token", "ms_per_token", "stat"),
+        Column("measured slowdown", "measured_slowdown", "x"),
+        Column("slowdown the bytes predict", "predicted_slowdown", "x"),
+        Column("notes", "notes")],
+        [r | {"notes": _notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))}
+         for r in rows],
+        ["The depth is filled once, untimed; every repetition then trims the cache back to it "
+         "and times the decode. Each step reads every weight plus K and V of every cached "
+         "token (layers × KV heads × head size × 2 × bytes per element).",
+         "Slowdowns are against depth 0 of the same KV type. The predicted slowdown is the "
+         "ratio of bytes read per step; a measured slowdown above it means attention costs "
+         "more than its bytes: the dot products over the context, run on few cores."])
+    memory = Table("kv_memory", "Memory for concurrent users (estimates)", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("KV type", "kv_type"),
+        Column("context", "context", "int"), Column("KV per user (GiB)", "kv_per_user", "gib3"),
+        Column("1 user (GiB)", "users_1", "gib"), Column("8 users (GiB)", "users_8", "gib"),
+        Column("32 users (GiB)", "users_32", "gib"),
+        Column("128 users (GiB)", "users_128", "gib")], analysis.get("kv_memory") or [],
+        ["Estimates, not measurements: weights once plus each user's full-context KV cache "
+         "(llama.cpp keeps a cell per token per sequence); compute buffers come on top."])
+    return [depth, memory]
+
+
+def batching_table(analysis: dict) -> list[Table]:
+    rows = analysis.get("batching") or []
+    if not rows:
+        return []
+    return [Table("batching", "Batching: independent sequences decoded together", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("sequences", "parallel", "int"), Column("aggregate tok/s", "tok_s", "stat"),
+        Column("per-sequence tok/s", "per_sequence_tok_s", "stat"),
+        Column("ms/step", "ms_per_step", "stat"), Column("speed-up", "speedup", "x"),
+        Column("weight MiB read per token served", "weight_n_bytes_per_token", "mib"),
+        Column("roofline bound tok/s", "bound_tok_s", "f1"),
+        Column("share of bound", "share_of_bound", "pct")], rows, batching_notes(rows))]
+
+
+def batching_notes(rows: list[dict]) -> list[str]:
+    """Where the gain from batching stops, explained from the measured ceilings."""
+    out = ["Each step is one llama_decode of one token from every sequence (its own seq id); "
+           "aggregate tok/s counts all of them, per-sequence tok/s is what each user sees. The "
+           "weights are read once per step, so the bytes per token served fall as 1/B."]
+    for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
+        group = [r for r in rows if (r["model"], r["dtype"], r["threads"]) == key]
+        ridge = next((r["ridge_parallel"] for r in group if r["ridge_parallel"]), None)
+        best = max(group, key=lambda r: r["tok_s"]["mean"])
+        text = (f"{key[0]} {key[1]}, {_threads(key[2])}: the best aggregate was "
+                f"{best['tok_s']['mean']:.1f} tok/s at {best['parallel']} sequences")
+        if ridge:
+            r = next(r for r in group if r["ridge_parallel"])
+            text += (f". A step costs at least max(weight bytes ÷ {r['read_gb_s']:.1f} GB/s, "
+                     f"B × FLOPs per token ÷ {r['matmul_gflop_s']:.0f} GFLOP/s), the read "
+                     f"ceiling and matmul peak measured here; they meet at B ≈ {ridge:.1f}. "
+                     "Below that, extra sequences ride on weights already being read; above "
+                     "it, each costs its own compute and the gain stops. Measured: "
+                     + ", ".join(f"{x['share_of_bound']:.0%} of the bound at B = {x['parallel']}"
+                                 for x in group if x["share_of_bound"]))
+        out.append(text + ".")
+    return out
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
+def threads_table(analysis: dict) -> list[Table]:
+    rows = analysis.get("threads") or []
+    if not rows:
+        return []
+    names = {"matmul_gflop_s": "matmul peak", "read_gb_s": "read bandwidth"}
+    table_rows = [r | {"test": (f"pp{r['n_prompt']}" if r["phase"] == "prefill"
+                                else f"tg{r['n_gen']}"), "ceiling_name": names[r["ceiling"]],
+                       "knee_mark": "◀ knee" if r["knee"] else ""} for r in rows]
+    knees = sorted({(r["phase"], r["model"], r["dtype"], r["knee_threads"],
+                     max(x["threads"] for x in rows if x["phase"] == r["phase"]
+                         and x["model"] == r["model"] and x["dtype"] == r["dtype"]))
+                    for r in rows})
+    notes = [f"{phase}, {model} {dtype}: knee at {knee} of {top} threads (the fewest within "
+             f"2% of the best)." for phase, model, dtype, knee, top in knees]
+    notes.append("Prefill is matrix-matrix work: it should scale with cores like the matmul "
+                 "peak. Decode reads every weight per token: it scales only as far as the read "
+                 "bandwidth does, which a few cores already saturate.")
+    return [Table("threads", "Threads: how prefill and decode scale", [
+        Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
+        Column("test", "test"), Column("threads", "threads", "int"),
+        Column("tok/s", "tok_s", "stat"), Column("speed-up", "speedup", "x"),
+        Column("efficiency", "efficiency", "pct"), Column("ceiling", "ceiling_name"),
+        Column("ceiling speed-up", "ceiling_speedup", "x"), Column("", "knee_mark")],
+        table_rows, notes)]
+
+
+def prefix_table(analysis: dict) -> list[Table]:
+    rows = analysis.get("prefix") or []
+    if not rows:
+        return []
+    return [Table("prefix", "Prefix caching: time to first token", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("shared prefix", "shared_prefix", "int"), Column("question", "n_prompt", "int"),
+        Column("recomputed (s)", "recompute_s", "stat3"),
+        Column("sequence copy (s)", "seq_copy_s", "stat3"),
+        Column("saving", "seq_copy_saving", "pct"),
+        Column("state restore (s)", "state_restore_s", "stat3"),
+        Column("saving", "state_restore_saving", "pct"),
+        Column("saved state (MiB)", "state_n_bytes", "mib")], rows,
+        ["Recomputed: prefill of prefix + question from an empty cache. Sequence copy: the "
+         "prefix stays cached in sequence 0 and a new sequence shares its cells "
+         "(llama_memory_seq_cp in a unified cache, no data moved), then only the question is "
+         "prefilled. State restore: the prefix's cache was saved once "
+         "(llama_state_seq_get_data) and is copied back in before the question, as a server "
+         "restoring a cached prompt from RAM does. Each time ends at the last token's logits."])]
+
+
+def lever_tables(analysis: dict) -> list[Table]:
+    return (quant_tables(analysis) + kv_tables(analysis) + batching_table(analysis)
+            + threads_table(analysis) + prefix_table(analysis))
