@@ -29,6 +29,8 @@ WORKLOADS = [
     ("classification", 500, 1),
     ("long-form generation", 200, 2000),
 ]
+# Bump when the analysis gains or changes fields: reports recompute older stored analyses.
+ANALYSIS_VERSION = 2
 MEMORY_BOUND_R2 = 0.90
 MEMORY_BOUND_SPREAD = 0.25  # every point's effective bandwidth within 25% of the fit
 MEMORY_BOUND_SHARE = 0.50  # the fitted bandwidth at least half the measured read ceiling
@@ -251,8 +253,9 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
     fits = fit_verdicts(decode)
     from .levers import analyze_levers
 
-    return analyze_levers(measurements, models, probes) | {
-        "type": "analysis", "ceilings": ceilings_summary(probes),
+    levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
+    return levers | {
+        "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
         "probe_errors": [p["error"] for p in probes if p.get("error")],
         "decode": decode, "fits": fits, "prefill": prefill,
         "predictions": predictions(fits, decode, table),

@@ -65,13 +65,38 @@ def estimated_n_bytes(spec: ModelSpec, dtype: DType) -> int:
     return int(n_params(spec) * bits / 8 * 1.1) + (16 << 20)
 
 
+def cache_target(spec: ModelSpec, dtype: DType, seed: int, directory: Path) -> Path:
+    """Where the cache keeps this build."""
+    key = cache_key(spec, dtype, seed)[:16]
+    return directory / f"{spec.name}-{dtype.name}-s{seed}-{key}.gguf"
+
+
+def missing_build_n_bytes(spec: ModelSpec, dtype: DType, seed: int,
+                          directory: Path | None = None) -> int:
+    """Disk a build would still need: 0 when cached (a quantized type also needs its source)."""
+    directory = cache_dir(directory)
+    need = 0
+    if not valid_cache_entry(cache_target(spec, dtype, seed, directory)):
+        need += estimated_n_bytes(spec, dtype)
+        if not dtype.direct:
+            need += missing_build_n_bytes(spec, DTYPES[QUANT_SOURCE], seed, directory)
+    return need
+
+
+def check_build_space(need_bytes: int, directory: Path | None = None) -> None:
+    """Refuse builds that cannot be written before any of them starts."""
+    if need_bytes:
+        directory = cache_dir(directory)
+        _ensure_writable_dir(directory, "cache directory", "--cache-dir or HARNESS_CACHE_DIR")
+        _ensure_free_space(directory, need_bytes)
+
+
 def build(spec: ModelSpec, dtype: DType, seed: int = 0, *, directory: Path | None = None,
           out: Path | None = None, progress: Progress | None = None) -> BuiltModel:
     """Return the cached file, or build it (or write it to out, bypassing the cache)."""
     directory = cache_dir(directory)
     _ensure_writable_dir(directory, "cache directory", "--cache-dir or HARNESS_CACHE_DIR")
-    key = cache_key(spec, dtype, seed)[:16]
-    target = out or directory / f"{spec.name}-{dtype.name}-s{seed}-{key}.gguf"
+    target = out or cache_target(spec, dtype, seed, directory)
     if out:
         _ensure_writable_dir(out.parent, "output directory", "choose another --out")
     with FileLock(str(directory / (target.name + ".lock"))):
@@ -179,7 +204,8 @@ def write_text_atomically(path: Path, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
-        raise HarnessError(f"cannot write: {exc.strerror or exc}", source=str(path)) from None
+        raise HarnessError(f"cannot write: {exc.strerror or exc}", source=str(path),
+                           fix="choose a writable place with -o, or free some disk") from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -190,12 +216,14 @@ def check_gguf_file(path: Path) -> None:
     if not path.exists():
         raise HarnessError("model file not found", source=str(path), fix="check the path")
     if path.is_dir():
-        raise HarnessError("is a directory, expected a .gguf file", source=str(path))
+        raise HarnessError("is a directory, expected a .gguf file", source=str(path),
+                           fix="name the .gguf file inside it")
     try:
         with path.open("rb") as f:
             head = f.read(4)
     except OSError as exc:
-        raise HarnessError(f"cannot read model file: {exc.strerror}", source=str(path)) from None
+        raise HarnessError(f"cannot read model file: {exc.strerror}", source=str(path),
+                           fix="check its permissions") from None
     if head != GGUF_MAGIC:
         raise HarnessError("not a GGUF file (no GGUF magic at the start)", source=str(path),
                            fix="pass a .gguf model, a spec name or a spec .yaml")
@@ -223,6 +251,7 @@ def _ensure_writable_dir(directory: Path, what: str, fix: str) -> None:
 def _ensure_free_space(directory: Path, need_bytes: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < need_bytes + DISK_MARGIN_BYTES:
-        raise HarnessError(f"not enough free disk: the build needs {need_bytes / 2**30:.2f} GiB, "
+        raise HarnessError(f"not enough free disk: the build needs {need_bytes / 2**30:.2f} GiB "
+                           f"(+ {DISK_MARGIN_BYTES / 2**30:.1f} GiB margin), "
                            f"{free / 2**30:.2f} GiB is free", source=str(directory),
                            fix="free some space or choose another --cache-dir")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import EXIT_INTERRUPTED, HarnessError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HarnessError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,12 +88,13 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
     from .env import collect_env, physical_cores
     from .results import RunWriter
-    from .runner import Console, run_scenario
+    from .runner import Console, preflight, run_scenario
     from .scenario import load_scenario
     from .tables import render_analysis, render_summary
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
+    preflight(plan, list(plan.measurements), cache_dir)  # refuse before the run dir exists
     env_info = collect_env()
     with RunWriter(run_dir, resume=resume) as writer:
         done = len(writer.records.measured_ids & {m.id for m in plan.measurements})
@@ -121,10 +122,12 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         from .reportio import write_report
 
         click.echo(f"\nreport: {write_report(run_dir, writer.records)}")
-        if writer.records.failures:
-            click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
-                       err=True)
+        failures = writer.records.failures
+        if failures:
+            click.echo(f"{len(failures)} model(s) failed; see {writer.path}", err=True)
     click.echo(str(run_dir))
+    if failures:
+        sys.exit(EXIT_FAILURE)
 
 
 def default_run_dir(name: str, resume: bool) -> Path:
@@ -232,7 +235,8 @@ def probe(thread_list: str | None, size_mib: int | None, passes: int, as_json: b
             raise HarnessError(f"not a list of whole numbers: {thread_list!r}", key="--threads",
                                fix="e.g. --threads 1,2,4") from None
         if min(threads) < 1:
-            raise HarnessError("thread counts must be at least 1", key="--threads")
+            raise HarnessError("thread counts must be at least 1", key="--threads",
+                               fix="e.g. --threads 1,2")
     result = run_probe(threads, size_mib << 20 if size_mib else None, passes)
     click.echo(json.dumps(result, indent=1) if as_json else render_probe(result))
 
@@ -289,5 +293,20 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except MemoryError:
-        click.echo("error: out of memory", err=True)
+        click.echo("error: out of memory (use a smaller model or context, or free RAM)",
+                   err=True)
         sys.exit(2)
+    except OSError as exc:  # a disk filling up or a file vanishing mid-way
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc} (check free disk space and "
+                   "permissions)", err=True)
+        sys.exit(2)
+    except Exception as exc:
+        import os
+
+        if os.environ.get("HARNESS_DEBUG"):
+            raise
+        click.echo(f"error: internal error ({type(exc).__name__}: {exc}); this is a bug in "
+                   "harness, please report it with the command you ran (HARNESS_DEBUG=1 "
+                   "shows the traceback)", err=True)
+        sys.exit(EXIT_FAILURE)

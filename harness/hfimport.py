@@ -56,9 +56,11 @@ def load_config(ref: str) -> tuple[dict, str, str | None]:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise HarnessError(f"invalid JSON: {exc.msg}", source=str(path), line=exc.lineno) from None
+        raise HarnessError(f"invalid JSON: {exc.msg}", source=str(path), line=exc.lineno,
+                           fix="pass a model's config.json") from None
     if not isinstance(config, dict):
-        raise HarnessError("expected a JSON object", source=str(path))
+        raise HarnessError("expected a JSON object", source=str(path),
+                           fix="pass a model's config.json")
     return config, name, source
 
 

@@ -188,17 +188,22 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
 
 # --- threads -----------------------------------------------------------------------------
 
-def thread_rows(measurements: list[dict], probes: list[dict]) -> list[dict]:
-    """Speed-up with threads of each plain prefill and decode measured at two or more counts."""
+def thread_rows(measurements: list[dict], probes: list[dict], analysis: dict) -> list[dict]:
+    """Speed-up with threads of each plain prefill and decode measured at two or more counts,
+    and how close each came to its own ceiling (from the decode and prefill rows)."""
+    shares = {r["id"]: r.get("share_of_read") for r in analysis.get("decode", [])}
+    shares_prefill = {r["id"]: r.get("share_of_peak") for r in analysis.get("prefill", [])}
     rows = []
-    for phase, key, ceiling in (("prefill", "prefill_tok_s", "matmul_gflop_s"),
-                                ("decode", "decode_tok_s", "read_gb_s")):
+    for phase, key, ceiling, share in (("prefill", "prefill_tok_s", "matmul_gflop_s",
+                                        shares_prefill),
+                                       ("decode", "decode_tok_s", "read_gb_s", shares)):
         chosen = [m for m in measurements if is_plain(m) and m.get(key)
                   and (m["n_gen"] == 0 if phase == "prefill" else m["n_gen"] > 0)]
         for group in _groups(chosen, lambda m: (m["model_key"], m["n_prompt"], m["n_gen"],
                                                 m["n_batch"], m["n_ubatch"], m["flash_attn"])):
             if len({m["threads"] for m in group}) >= 2:
-                rows += _thread_group(phase, key, ceiling, group, probes)
+                rows += [r | {"share_of_ceiling": share.get(r["id"])}
+                         for r in _thread_group(phase, key, ceiling, group, probes)]
     return rows
 
 
@@ -213,7 +218,7 @@ def _thread_group(phase: str, key: str, ceiling: str, group: list[dict],
     for m in group:
         speedup = _mean(m[key]) / _mean(base[key])
         c = ceiling_beside(probes, m["seq"], m["threads"], ceiling)["value"]
-        out.append({"phase": phase, "model": m["model"], "dtype": m["dtype"],
+        out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
                     "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],
                     "tok_s": m[key], "speedup": speedup,
                     "efficiency": speedup * base["threads"] / m["threads"],
@@ -245,11 +250,12 @@ def prefix_rows(measurements: list[dict], models: dict) -> list[dict]:
     return rows
 
 
-def analyze_levers(measurements: list[dict], models: dict, probes: list[dict]) -> dict:
+def analyze_levers(measurements: list[dict], models: dict, probes: list[dict],
+                   analysis: dict) -> dict:
     """Every lever section's rows (empty lists where the run did not measure that lever)."""
     kv = kv_depth_rows(measurements, models)
     return {"quant": quant_rows(measurements, models), "kv_depth": kv,
             "kv_memory": kv_memory_rows(kv, models),
             "batching": batching_rows(measurements, models, probes),
-            "threads": thread_rows(measurements, probes),
+            "threads": thread_rows(measurements, probes, analysis),
             "prefix": prefix_rows(measurements, models)}

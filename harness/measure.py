@@ -63,7 +63,7 @@ def measure(model, m: Measurement, info: dict, seed: int, gate: Callable[[str], 
                 reps.append(repetition())
             during = noise.other_cores(before, noise.snapshot())
         except MeasurementError as exc:
-            exc.step = f"measure {m.id}"
+            exc.step = f"{exc.step} in {m.id}" if exc.step != "run" else f"measure {m.id}"
             raise
     return make_record(m, info, warmups, reps, setup,
                        {"idle_other_cores": idle, "during_other_cores": during}, started)

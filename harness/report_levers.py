@@ -29,8 +29,7 @@ def quant_tables(analysis: dict) -> list[Table]:
          "model. If decode were purely bandwidth-bound, its speed-up would equal the byte "
          "reduction (last column 1.00); below 1, dequantizing the blocks costs CPU time that "
          "the saved bytes do not cover on these cores.",
-         "Prefill multiplies whole matrices (compute-bound), so fewer bytes help it little; "
-         "quantized types can even be slower there, as the blocks are unpacked per tile."])
+         _prefill_note(rows)])
     comp = Table("quant_composition", "What each file really holds", [
         Column("model", "model"), Column("dtype", "dtype"),
         Column("bits/weight", "bits_per_weight", "f2"),
@@ -44,6 +43,35 @@ def quant_tables(analysis: dict) -> list[Table]:
          "V and FFN-down in the K-quant mixes) more bits, and fall back to another type for "
          "any tensor whose rows are not a multiple of the type's block (256 for K-quants)."])
     return [speed, comp]
+
+
+def _prefill_note(rows: list[dict]) -> str:
+    """What prefill did with fewer bytes, from this run's numbers."""
+    def span(key: str) -> str:
+        values = [r[key] for r in rows if r.get(key) and r["dtype"] != r["baseline"]]
+        return f"{min(values):.2f}–{max(values):.2f}×" if values else "not measured"
+
+    return ("Prefill multiplies whole matrices and is compute-bound, so its bytes matter little: "
+            "what changes is the kernel each type runs (ggml's quantized types quantize the "
+            "activations to 8 bits and use integer dot products; F16 and BF16 have their own "
+            "kernels, which depend on the CPU's instructions). Speed-up here: "
+            f"prefill {span('prefill_speedup')}, decode {span('decode_speedup')}.")
+
+
+def _drift_notes(rows: list[dict]) -> list[str]:
+    """At depth 0 the cache holds next to nothing, so KV types differing there is drift."""
+    out = []
+    for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
+        zero = {r["kv_type"]: r["tok_s"]["mean"] for r in rows if r["depth"] == 0
+                and (r["model"], r["dtype"], r["threads"]) == key}
+        if len(zero) >= 2:
+            spread = max(zero.values()) / min(zero.values()) - 1
+            out.append(f"{key[0]} {key[1]}: at depth 0 the KV types read almost the same bytes, "
+                       f"yet decode differed by {spread:.0%} ("
+                       + ", ".join(f"{k} {v:.2f} tok/s" for k, v in zero.items())
+                       + "): that is how far this machine drifted between measurements; "
+                       "slowdowns within that margin are not resolved.")
+    return out
 
 
 def kv_tables(analysis: dict) -> list[Table]:
@@ -67,7 +95,8 @@ def kv_tables(analysis: dict) -> list[Table]:
          "token (layers × KV heads × head size × 2 × bytes per element).",
          "Slowdowns are against depth 0 of the same KV type. The predicted slowdown is the "
          "ratio of bytes read per step; a measured slowdown above it means attention costs "
-         "more than its bytes: the dot products over the context, run on few cores."])
+         "more than its bytes: the dot products over the context, run on few cores.",
+         *_drift_notes(rows)])
     memory = Table("kv_memory", "Memory for concurrent users (estimates)", [
         Column("model", "model"), Column("dtype", "dtype"), Column("KV type", "kv_type"),
         Column("context", "context", "int"), Column("KV per user (GiB)", "kv_per_user", "gib3"),
@@ -135,16 +164,37 @@ def threads_table(analysis: dict) -> list[Table]:
                     for r in rows})
     notes = [f"{phase}, {model} {dtype}: knee at {knee} of {top} threads (the fewest within "
              f"2% of the best)." for phase, model, dtype, knee, top in knees]
-    notes.append("Prefill is matrix-matrix work: it should scale with cores like the matmul "
-                 "peak. Decode reads every weight per token: it scales only as far as the read "
-                 "bandwidth does, which a few cores already saturate.")
+    notes.append("Prefill is matrix-matrix work: it scales with cores as the matmul peak "
+                 "does. Decode reads every weight per token: it scales only until it reaches "
+                 "the read bandwidth of its thread count (share of ceiling: effective GB/s ÷ "
+                 "read ceiling for decode, achieved GFLOP/s ÷ matmul peak for prefill); from "
+                 "there more threads add compute that waits on memory.")
+    notes += _ceiling_notes(rows)
     return [Table("threads", "Threads: how prefill and decode scale", [
         Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
         Column("test", "test"), Column("threads", "threads", "int"),
         Column("tok/s", "tok_s", "stat"), Column("speed-up", "speedup", "x"),
         Column("efficiency", "efficiency", "pct"), Column("ceiling", "ceiling_name"),
-        Column("ceiling speed-up", "ceiling_speedup", "x"), Column("", "knee_mark")],
+        Column("ceiling speed-up", "ceiling_speedup", "x"),
+        Column("share of ceiling", "share_of_ceiling", "pct"), Column("", "knee_mark")],
         table_rows, notes)]
+
+
+def _ceiling_notes(rows: list[dict]) -> list[str]:
+    """Where each phase stood against its ceiling at the fewest and the most threads."""
+    out = []
+    for phase in ("decode", "prefill"):
+        group = [r for r in rows if r["phase"] == phase and r.get("share_of_ceiling")]
+        if len(group) < 2:
+            continue
+        lo = min(group, key=lambda r: r["threads"])
+        hi = max(group, key=lambda r: r["threads"])
+        out.append(f"Measured here: {phase} reached {lo['share_of_ceiling']:.0%} of its ceiling "
+                   f"at {_threads(lo['threads'])} and {hi['share_of_ceiling']:.0%} at "
+                   f"{_threads(hi['threads'])}"
+                   + (": at the memory ceiling, where more threads cannot make decode faster."
+                      if phase == "decode" and hi["share_of_ceiling"] >= 0.9 else "."))
+    return out
 
 
 def prefix_table(analysis: dict) -> list[Table]:

@@ -20,7 +20,8 @@ def load_run(ref: Path):
                            fix="pass a run directory made by `harness run`")
     records = read_records(path)
     if records.header is None:
-        raise HarnessError("results file is empty", source=str(path))
+        raise HarnessError("results file is empty", source=str(path),
+                           fix="run the scenario again; nothing was measured")
     return path.parent, records
 
 
@@ -30,8 +31,10 @@ def analysis_of(records) -> dict:
 
     complete = records.analyses and records.analyses[-1]["seq"] > max(
         (m["seq"] for m in records.measurements), default=0)
-    # An analysis stored by an older harness lacks the newer sections: recompute (it is pure).
-    current = complete and "prefix" in records.analyses[-1]
+    # An analysis stored by an older harness lacks newer fields: recompute it (it is pure).
+    from .analysis import ANALYSIS_VERSION
+
+    current = complete and records.analyses[-1].get("version") == ANALYSIS_VERSION
     return records.analyses[-1] if current else analyze_records(records)
 
 
@@ -46,7 +49,8 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
         try:
             plots = write_plots(records.measurements, analysis, out.parent)
         except OSError as exc:
-            raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent)
+            raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent),
+                               fix="choose a writable place with -o, or free some disk"
                                ) from None
         write_text_atomically(out, render_markdown(data, plots))
     elif fmt == "csv":

@@ -40,7 +40,8 @@ def read_records(path: Path) -> Records:
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise HarnessError(f"cannot read results: {exc.strerror}", source=str(path)) from None
+        raise HarnessError(f"cannot read results: {exc.strerror}", source=str(path),
+                           fix="check the file's permissions") from None
     complete, _, tail = raw.rpartition(b"\n")
     records.truncated_bytes = len(tail)
     lines = complete.split(b"\n") if complete else []
@@ -52,7 +53,8 @@ def read_records(path: Path) -> Records:
                                fix="restore the file or start a new run") from None
         _file(records, record)
     if records.header is None and lines:
-        raise HarnessError("results file has no header record", source=str(path))
+        raise HarnessError("results file has no header record", source=str(path),
+                           fix="pass a results.jsonl written by `harness run`")
     return records
 
 

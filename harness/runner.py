@@ -10,7 +10,13 @@ from itertools import groupby
 from pathlib import Path
 
 from . import __version__, noise
-from .build import build, estimated_n_bytes, file_sha256
+from .build import (
+    build,
+    check_build_space,
+    estimated_n_bytes,
+    file_sha256,
+    missing_build_n_bytes,
+)
 from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, weights_n_bytes
 from .dtypes import DTYPES
 from .env import available_ram_bytes
@@ -61,7 +67,7 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
     console = console or Console()
     _write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
-    check_resources(todo, cache_dir)
+    preflight(scenario, todo, cache_dir)
     threads = sorted({1} | {m.settings.threads for m in scenario.measurements})
     if todo:
         _probe(writer, "before", threads, probe_fn, console)
@@ -130,6 +136,20 @@ def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> Non
         raise HarnessError("the scenario changed since this run started", source=str(writer.dir),
                            fix="resume with the same scenario file, or start a new run")
     writer.append({"type": "resume", "at": now_iso(), "argv": argv or sys.argv, "env": env})
+
+
+def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> None:
+    """Everything that can be refused before any work: RAM, and disk for the builds."""
+    check_resources(todo, cache_dir)
+    need, seen = 0, set()
+    for m in todo:
+        key = (m.model.spec_name, m.model.dtype)
+        if m.model.gguf_path or key in seen:
+            continue
+        seen.add(key)
+        need += missing_build_n_bytes(resolve_spec(m.model.ref), DTYPES[m.model.dtype],
+                                      scenario.seed, cache_dir)
+    check_build_space(need, cache_dir)
 
 
 def check_resources(todo: list[Measurement], cache_dir: Path | None) -> None:

@@ -9,13 +9,12 @@ from pathlib import Path
 
 from .dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from .errors import HarnessError
-from .specs import resolve_spec
+from .specs import looks_like_path, resolve_spec
 from .yamlio import (
     Doc,
     check_keys,
     parse_yaml,
     read_text,
-    want_bool,
     want_int,
     want_mapping,
     want_str,
@@ -149,7 +148,8 @@ def _list(doc: Doc, path: tuple, value: object, *, allow_scalar: bool = False) -
     if allow_scalar and not isinstance(value, (list, dict)):
         value = [value]
     if not isinstance(value, list):
-        raise doc.error(path, f"expected a list, got {type(value).__name__}")
+        raise doc.error(path, f"expected a list, got {type(value).__name__}",
+                        fix="write [a, b] or one `- item` line per entry")
     if not value:
         raise doc.error(path, "empty list", fix="give at least one entry")
     return value
@@ -164,7 +164,7 @@ def _models(doc: Doc, data: dict) -> list[ModelRef]:
         raise doc.error(("dtypes",), "a dtype is listed twice", fix="list each once")
     out: list[ModelRef] = []
     for i, ref in enumerate(refs):
-        ref = want_str(doc, ("models", i), ref)
+        ref = _beside(want_str(doc, ("models", i), ref), Path(doc.source).parent)
         try:
             out += _resolve_model(ref, kinds)
         except HarnessError as exc:
@@ -173,6 +173,15 @@ def _models(doc: Doc, data: dict) -> list[ModelRef]:
     if len(set(labels)) != len(labels):
         raise doc.error(("models",), "a model is listed twice", fix="list each once")
     return out
+
+
+def _beside(ref: str, scenario_dir: Path) -> str:
+    """A relative file path names a file beside the scenario when one is there, else as given
+    (from the working directory); spec names stay names."""
+    if not looks_like_path(ref) or Path(ref).is_absolute():
+        return ref
+    candidate = scenario_dir / ref
+    return str(candidate) if candidate.exists() else ref
 
 
 def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
@@ -231,8 +240,12 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
     b = base or Settings(physical_cores, 5, 1, 2048, 512, None)
     fa = b.flash_attn
     if "flash_attn" in data:
-        fa = None if data["flash_attn"] == "auto" else want_bool(doc, path + ("flash_attn",),
-                                                                  data["flash_attn"])
+        fa = data["flash_attn"]
+        if fa == "auto":
+            fa = None
+        elif not isinstance(fa, bool):
+            raise doc.error(path + ("flash_attn",), f"expected true, false or auto, got {fa!r}",
+                            fix="write true, false or auto")
     s = replace(b, repetitions=get_int("repetitions", b.repetitions, 1, MAX_REPETITIONS),
                 warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
                 n_batch=get_int("n_batch", b.n_batch, 1, MAX_TOKENS),

@@ -92,12 +92,23 @@ def _with_ci(summary: dict | None, digits: int = 2) -> str:
 
 
 def test_label(record: dict) -> str:
-    """pp512 for prefill only, tg64 for decode from empty, tg64@pp16 for decode after a prompt."""
+    """pp512 (prefill only), tg64 (decode from empty), pp16+tg64, then the levers:
+    tg32@d2048 (at a depth), kv=q8_0, x8 (8 sequences), px2048+pp32 (after a shared prefix)."""
     if record["n_gen"] == 0:
-        return f"pp{record['n_prompt']}"
-    if record["n_prompt"] == 0:
-        return f"tg{record['n_gen']}"
-    return f"pp{record['n_prompt']}+tg{record['n_gen']}"
+        label = f"pp{record['n_prompt']}"
+    elif record["n_prompt"] == 0:
+        label = f"tg{record['n_gen']}"
+    else:
+        label = f"pp{record['n_prompt']}+tg{record['n_gen']}"
+    if record.get("shared_prefix"):
+        label = f"px{record['shared_prefix']}+{label}"
+    if record.get("depth"):
+        label += f"@d{record['depth']}"
+    if record.get("parallel", 1) > 1:
+        label += f" x{record['parallel']}"
+    if record.get("kv_type", "f16") != "f16":
+        label += f" kv={record['kv_type']}"
+    return label
 
 
 def render_summary(measurements: list[dict]) -> str:

@@ -96,7 +96,8 @@ def _construct(node: yaml.Node, path: tuple, lines: dict, source: str) -> Any:
             key = _construct_scalar(key_node, source)
             if isinstance(key, (list, dict)) or key is None:
                 raise HarnessError("mapping keys must be plain words", source=source,
-                                   line=key_node.start_mark.line + 1)
+                                   line=key_node.start_mark.line + 1,
+                                   fix="write each key as a word followed by a colon")
             if key in out:
                 raise HarnessError(f"duplicate key {key!r}", source=source,
                                    line=key_node.start_mark.line + 1,
@@ -112,12 +113,14 @@ def _construct(node: yaml.Node, path: tuple, lines: dict, source: str) -> Any:
 def _construct_scalar(node: yaml.Node, source: str) -> Any:
     if not isinstance(node, yaml.ScalarNode):
         raise HarnessError("mapping keys must be plain words", source=source,
-                           line=node.start_mark.line + 1)
+                           line=node.start_mark.line + 1,
+                           fix="write each key as a word followed by a colon")
     try:
         value = _SCALAR.construct_object(node, deep=True)
     except (yaml.YAMLError, ValueError, OverflowError) as exc:
         raise HarnessError(f"invalid value {node.value!r}: {exc}", source=source,
-                           line=node.start_mark.line + 1) from None
+                           line=node.start_mark.line + 1,
+                           fix="quote it if it is meant as text") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise HarnessError(f"non-finite number {node.value!r}", source=source,
                            line=node.start_mark.line + 1, fix="use a finite number")
@@ -151,7 +154,8 @@ def want_int(doc: Doc, path: tuple, value: object, *, minimum: int | None = None
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise doc.error(path, f"expected a whole number, got {_show(value)}")
+            raise doc.error(path, f"expected a whole number, got {_show(value)}",
+                            fix="write digits without quotes, e.g. 8")
     if minimum is not None and value < minimum:
         raise doc.error(path, f"{value} is too small", fix=f"use at least {minimum}")
     if maximum is not None and value > maximum:
@@ -163,7 +167,8 @@ def want_float(doc: Doc, path: tuple, value: object, *, minimum: float | None = 
                maximum: float | None = None, exclusive_min: bool = False) -> float:
     """Return value as a finite float in range, or raise an error naming the key."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise doc.error(path, f"expected a number, got {_show(value)}")
+        raise doc.error(path, f"expected a number, got {_show(value)}",
+                        fix="write a number without quotes, e.g. 1.0e-6")
     value = float(value)
     if minimum is not None and (value < minimum or (exclusive_min and value == minimum)):
         bound = "above" if exclusive_min else "at least"
@@ -176,21 +181,24 @@ def want_float(doc: Doc, path: tuple, value: object, *, minimum: float | None = 
 def want_bool(doc: Doc, path: tuple, value: object) -> bool:
     """Return value as a bool, or raise an error naming the key."""
     if not isinstance(value, bool):
-        raise doc.error(path, f"expected true or false, got {_show(value)}")
+        raise doc.error(path, f"expected true or false, got {_show(value)}",
+                        fix="write true or false")
     return value
 
 
 def want_str(doc: Doc, path: tuple, value: object) -> str:
     """Return value as a non-empty string, or raise an error naming the key."""
     if not isinstance(value, str) or not value.strip():
-        raise doc.error(path, f"expected a non-empty string, got {_show(value)}")
+        raise doc.error(path, f"expected a non-empty string, got {_show(value)}",
+                        fix="write some text, quoted if it looks like a number")
     return value
 
 
 def want_mapping(doc: Doc, path: tuple, value: object) -> dict:
     """Return value as a mapping, or raise an error naming the key."""
     if not isinstance(value, dict):
-        raise doc.error(path, f"expected a mapping of keys to values, got {_show(value)}")
+        raise doc.error(path, f"expected a mapping of keys to values, got {_show(value)}",
+                        fix="write `key: value` lines")
     return value
 
 

@@ -7,8 +7,8 @@ from conftest import assert_user_error
 
 from harness import runner
 from harness.errors import HarnessError
-from harness.results import RunWriter, read_records
 from harness.measure import measure
+from harness.results import RunWriter, read_records
 from harness.runner import Console, run_scenario
 from harness.scenario import load_scenario
 

@@ -105,3 +105,37 @@ def test_validation_errors_name_file_line_and_key(tmp_path, text, key, words, li
         assert f"{key}:" in message, message
     if line:
         assert info.value.line == line, message
+
+
+def test_lever_keys_expand_and_default_ids_stay_the_same(tmp_path):
+    s = load_scenario(write(tmp_path, """\
+        name: t
+        models: [tiny-qwen2]
+        threads: ["1..auto"]
+        tests:
+          - {prompt: 8, generate: 4}
+          - {prompt: 0, generate: 4, depth: [0, 64], kv_cache_type: [f16, Q8_0]}
+          - {prompt: 4, generate: 4, parallel: [2, 4]}
+          - {prompt: 8, shared_prefix: 128}
+        """), physical_cores=3)
+    assert sorted({m.settings.threads for m in s.measurements}) == [1, 2, 3]
+    plain = s.measurements[0]
+    assert plain.id == "tiny-qwen2|f32|t1|b2048|ub512|fa-auto|pp8|tg4" and plain.kind == "single"
+    deep = [m for m in s.measurements if m.depth == 64 and m.kv_type == "q8_0"]
+    assert len(deep) == 3 and deep[0].id.endswith("|d64|kv-q8_0") and deep[0].n_ctx == 68
+    batched = [m for m in s.measurements if m.parallel == 4]
+    assert batched[0].kind == "batched" and batched[0].n_ctx == 4 * 8
+    prefix = [m for m in s.measurements if m.shared_prefix][0]
+    assert prefix.kind == "prefix_cache" and prefix.id.endswith("|px128")
+    assert prefix.n_seq_ctx == 136
+    assert len({m.id for m in s.measurements}) == len(s.measurements) == 3 * (1 + 4 + 2 + 1)
+
+
+def test_relative_gguf_paths_are_found_beside_the_scenario(tmp_path):
+    from harness.build import build
+    from harness.dtypes import DTYPES
+    from harness.specs import resolve_spec
+
+    built = build(resolve_spec("tiny-llama"), DTYPES["f32"], out=tmp_path / "sub" / "m.gguf")
+    s = load_scenario(write(tmp_path / "sub", BASE.replace("[tiny-qwen2]", "[m.gguf]")), 2)
+    assert s.measurements[0].model.gguf_path == built.path

@@ -1,0 +1,125 @@
+"""Every file in tests/bad_inputs is refused with exit status 2 and one line that names the file,
+the key path and line (where YAML has them) and the fix, leaving nothing behind.
+
+Each file states what its error must say in its first lines:
+    # expect-at: LINE [KEY.PATH]
+    # expect: words that must appear, comma-separated
+(s_*.yaml are scenarios, run with `harness run`; m_*.yaml are model specs, given to
+`harness build`; a directory holds its expectations in EXPECT.)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import assert_user_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.errors import HarnessError
+from harness.scenario import load_scenario
+from harness.specs import spec_from_doc
+from harness.yamlio import parse_yaml
+
+BAD = Path(__file__).resolve().parent / "bad_inputs"
+CASES = sorted(p for p in BAD.iterdir() if p.name.startswith(("s_", "m_")))
+
+
+def expectations(path: Path) -> tuple[int | None, str | None, list[str]]:
+    """The line, key path and words a case's error must contain."""
+    raw = (path / "EXPECT" if path.is_dir() else path).read_bytes().decode("latin-1")
+    at = re.search(r"^#? ?expect-at: (\d+)(?: (\S+))?$", raw, re.M)
+    words = re.search(r"^#? ?expect: (.+)$", raw, re.M)
+    assert words, f"{path.name} states no expectation"
+    return (int(at.group(1)) if at else None, at.group(2) if at else None,
+            [w.strip() for w in words.group(1).split(",")])
+
+
+def test_the_corpus_is_big_enough():
+    assert len([p for p in CASES if p.name.startswith("s_")]) >= 30
+    assert len([p for p in CASES if p.name.startswith("m_")]) >= 10
+
+
+@pytest.mark.parametrize("path", CASES, ids=[p.name for p in CASES])
+def test_bad_input_is_refused_clearly(path, run_cli, tmp_path):
+    line, key, words = expectations(path)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    if path.name.startswith("s_"):
+        result = run_cli("run", str(path), "--out", str(out), "--cache-dir", str(cache))
+    else:
+        result = run_cli("build", str(path), "--cache-dir", str(cache))
+    assert_user_error(result, path.name, *words)
+    message = result.stderr.strip()
+    if line is not None:
+        assert f"{path.name}:{line}: " in message, message
+    if key is not None:
+        assert f": {key}: " in message, message
+    assert message.endswith(")"), f"no fix in brackets: {message}"
+    assert not out.exists(), "a refused run must not leave a run directory"
+    assert not list(cache.rglob("*.gguf")) if cache.exists() else True
+
+
+# --- property tests: random structures either load or raise HarnessError -------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                     st.sampled_from(["auto", "f16", "q8_0", "tiny-qwen2", "1..auto", "x.gguf"]))
+_keys = st.sampled_from(["name", "models", "tests", "prompt", "generate", "threads", "dtypes",
+                         "depth", "parallel", "shared_prefix", "kv_cache_type", "repetitions",
+                         "warmup", "n_batch", "n_ubatch", "flash_attn", "seed", "hidden_size",
+                         "architecture", "vocab_size", "num_hidden_layers", "head_dim",
+                         "num_attention_heads", "intermediate_size", "title", "bogus"])
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=6)), max_leaves=20)
+_scenarios = st.fixed_dictionaries(
+    {"name": _values, "models": st.one_of(_values, st.just(["tiny-qwen2"])),
+     "tests": st.one_of(_values, st.lists(st.dictionaries(_keys, _values, max_size=5),
+                                          max_size=3))},
+    optional={k: _values for k in ("threads", "dtypes", "repetitions", "flash_attn", "seed")})
+_specs = st.fixed_dictionaries(
+    {"architecture": st.one_of(_values, st.sampled_from(["llama", "qwen2"])),
+     "hidden_size": st.one_of(_values, st.integers(1, 512)),
+     "num_hidden_layers": st.one_of(_values, st.integers(1, 4)),
+     "num_attention_heads": st.one_of(_values, st.integers(1, 8)),
+     "intermediate_size": st.one_of(_values, st.integers(1, 512)),
+     "vocab_size": st.one_of(_values, st.integers(200, 1000))},
+    optional={k: _values for k in ("num_key_value_heads", "head_dim", "attention_bias",
+                                   "rope_theta", "rms_norm_eps", "max_position_embeddings")})
+_FAST = settings(max_examples=150, deadline=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _dump(data) -> str:
+    return yaml.safe_dump(data, allow_unicode=True)
+
+
+@_FAST
+@given(data=_scenarios)
+def test_scenario_loader_loads_or_refuses(tmp_path, data):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(_dump(data), encoding="utf-8")
+    try:
+        load_scenario(path, physical_cores=2)
+    except HarnessError as exc:
+        assert exc.render() and "\n" not in exc.render()
+
+
+@_FAST
+@given(data=_specs)
+def test_spec_loader_loads_or_refuses(data):
+    try:
+        spec_from_doc(parse_yaml(_dump(data), "fuzz.yaml"), "fuzz")
+    except HarnessError as exc:
+        assert exc.render() and "\n" not in exc.render()
+
+
+@_FAST
+@given(text=st.text(max_size=200))
+def test_yaml_parser_loads_or_refuses_any_text(text):
+    try:
+        parse_yaml(text, "fuzz.yaml")
+    except HarnessError as exc:
+        assert "\n" not in exc.render()

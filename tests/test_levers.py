@@ -1,0 +1,161 @@
+"""The levers on a tiny model: depth, KV cache type, batching, threads, prefix caching.
+Structure and internal consistency of the records and the analysis; no timing assertions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import runner
+from harness.costs import kv_n_bytes_per_token
+from harness.levers import _thread_group, composition
+from harness.report import render_markdown, report_data
+from harness.results import RunWriter, read_records
+from harness.runner import Console, run_scenario
+from harness.scenario import load_scenario
+from harness.specs import ModelSpec
+
+SCENARIO = Path(__file__).resolve().parent / "scenarios" / "levers.yaml"
+QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def levers_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("levers")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HARNESS_CACHE_DIR", str(tmp / "cache"))
+    mp.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+    import harness.probe
+
+    real = harness.probe.probe
+    mp.setattr(harness.probe, "probe", lambda threads, *a, **k: real(threads, 4 << 20, 5,
+                                                                        matmul_n=64))
+    plan = load_scenario(SCENARIO, physical_cores=2)
+    with RunWriter(tmp / "run", resume=False) as writer:
+        run_scenario(plan, writer, {"test": True}, console=QUIET)
+    mp.undo()
+    return plan, read_records(tmp / "run" / "results.jsonl")
+
+
+def _by_kind(records, kind):
+    return [m for m in records.measurements if m["kind"] == kind]
+
+
+def test_every_planned_measurement_is_recorded_without_failures(levers_run):
+    plan, records = levers_run
+    assert not records.failures
+    assert [m["id"] for m in records.measurements] == [m.id for m in
+                                                       runner.pending(plan, set())]
+    assert {m["kind"] for m in records.measurements} == {"single", "batched", "prefix_cache"}
+
+
+def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run):
+    _, records = levers_run
+    deep = [m for m in records.measurements if m["depth"]]
+    assert {(m["depth"], m["kv_type"]) for m in deep} == {(64, "f16"), (64, "q8_0")} and \
+        all(m["id"].split("|")[8] == "d64" for m in deep)
+    for m in deep:
+        assert m["setup"]["depth_fill_s"] > 0
+        assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
+        for perf in m["samples"]["perf"]:
+            # the counters were reset after the fill: only the timed decode is in them
+            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] == 0
+
+
+def test_kv_cache_type_is_in_the_id_only_when_not_the_default(levers_run):
+    _, records = levers_run
+    for m in records.measurements:
+        assert ("kv-q8_0" in m["id"]) == (m["kv_type"] == "q8_0")
+        assert ("|np" in m["id"]) == (m["parallel"] > 1)
+
+
+def test_batched_decode_counts_every_sequence(levers_run):
+    _, records = levers_run
+    batched = _by_kind(records, "batched")
+    assert sorted({m["parallel"] for m in batched}) == [2, 4]
+    for m in batched:
+        b = m["parallel"]
+        assert m["decode_tok_s"]["mean"] == pytest.approx(b * m["per_sequence_tok_s"]["mean"])
+        assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
+        for perf in m["samples"]["perf"]:
+            # every batch of more than one token counts as prompt eval in llama.cpp
+            assert perf["n_p_eval"] == b * (m["n_prompt"] + m["n_gen"]) and perf["n_eval"] == 0
+
+
+def test_prefix_cache_times_three_ways_to_the_first_token(levers_run):
+    _, records = levers_run
+    (m, *_) = _by_kind(records, "prefix_cache")
+    assert set(m["ttft_reuse_s"]) == {"seq_copy", "state_restore"}
+    for samples in m["samples"]["reuse_s"].values():
+        assert len(samples) == m["repetitions"] and all(s > 0 for s in samples)
+    spec = ModelSpec(**records.models[m["model_key"]]["spec"])
+    kv = kv_n_bytes_per_token(spec) * m["shared_prefix"]
+    assert kv <= m["setup"]["state_n_bytes"] < 1.5 * kv  # the state is the prefix's K and V
+    assert m["prefill_tok_s"]["max"] == pytest.approx(
+        (m["shared_prefix"] + m["n_prompt"]) / min(m["samples"]["prefill_s"]))
+
+
+def test_lever_analysis_is_consistent(levers_run):
+    _, records = levers_run
+    (a,) = records.analyses
+    assert {r["dtype"] for r in a["quant"]} == {"f32", "q8_0"}
+    for r in a["quant"]:
+        assert sum(r["params_share"].values()) == pytest.approx(1.0)
+        assert (r["byte_reduction"] > 1) == (r["dtype"] == "q8_0")
+    for r in a["kv_depth"]:
+        assert (r["predicted_slowdown"] > 1) == (r["depth"] > 0)
+        assert r["kv_n_bytes"] == pytest.approx(r["kv_n_bytes_per_token"] * (r["depth"] + 3.5))
+    q8, f16 = ([r for r in a["kv_depth"] if r["kv_type"] == t][0]["kv_n_bytes_per_token"]
+               for t in ("q8_0", "f16"))
+    assert q8 / f16 == pytest.approx(34 / 64)  # Q8_0: 34 bytes per 32 values; F16: 2 bytes
+    for r in a["kv_memory"]:
+        assert r["users_8"] - r["users_1"] == pytest.approx(7 * r["kv_per_user"])
+    for r in a["batching"]:
+        model = records.models[f"{r['model']}|{r['dtype']}"]
+        assert r["weight_n_bytes_per_token"] * r["parallel"] == model["decode_weight_n_bytes"]
+        assert (r["speedup"] == 1.0) == (r["parallel"] == 1)
+    assert {r["parallel"] for r in a["batching"]} == {1, 2, 4}
+    assert {(r["phase"], r["threads"]) for r in a["threads"]} == {("prefill", 1),
+                                                                   ("prefill", 2)}
+    assert all(r["knee_threads"] in (1, 2) for r in a["threads"])
+    for r in a["prefix"]:
+        assert r["seq_copy_saving"] == pytest.approx(
+            1 - r["seq_copy_s"]["mean"] / r["recompute_s"]["mean"])
+
+
+def test_report_has_every_lever_section(levers_run):
+    _, records = levers_run
+    (a,) = records.analyses
+    plots = ["quant_speedup.png", "kv_depth.png", "batching.png", "threads.png",
+             "prefix_cache.png"]
+    text = render_markdown(report_data(records, a), plots)
+    for heading in ("## Levers", "### Quantization", "### What each file really holds",
+                    "### KV cache: decode at context depth", "### Memory for concurrent users",
+                    "### Batching", "### Threads", "### Prefix caching", "they meet at B ≈"):
+        assert heading in text, heading
+    for name in plots:  # each plot right after its own section
+        assert f"]({name})" in text
+    assert text.index("](batching.png)") < text.index("### Threads")
+
+
+def test_knee_is_the_fewest_threads_within_two_percent_of_the_best():
+    def rec(threads, tok):
+        return {"threads": threads, "seq": threads, "model": "m", "dtype": "f32",
+                "n_prompt": 8, "n_gen": 0, "prefill_tok_s": {"mean": tok, "n": 3}, "flags": []}
+
+    rows = _thread_group("prefill", "prefill_tok_s", "matmul_gflop_s",
+                         [rec(4, 19.1), rec(1, 10.0), rec(2, 18.9), rec(3, 19.2)], [])
+    assert [r["threads"] for r in rows] == [1, 2, 3, 4]
+    assert {r["knee_threads"] for r in rows} == {2} and [r["knee"] for r in rows] == \
+        [False, True, False, False]
+    assert rows[1]["speedup"] == pytest.approx(1.89) and rows[3]["efficiency"] == \
+        pytest.approx(1.91 / 4)
+
+
+def test_composition_reads_bits_per_weight_from_the_tensor_table():
+    model = {"tensor_type_n_params": {"Q4_K": 900, "Q6_K": 100},
+             "tensor_type_n_bytes": {"Q4_K": 900 * 144 // 256, "Q6_K": 100 * 210 // 256}}
+    c = composition(model)
+    assert c["bits_per_weight"] == pytest.approx(8 * (506 + 82) / 1000)
+    assert c["params_share"] == {"Q4_K": 0.9, "Q6_K": 0.1}
