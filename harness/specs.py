@@ -144,7 +144,7 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
     data = want_mapping(doc, (), doc.data)
     check_keys(doc, (), data, _KNOWN_KEYS, _REQUIRED)
     arch = data["architecture"]
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:
         raise doc.error(("architecture",), f"unsupported architecture {arch!r}",
                         fix="supported: " + ", ".join(ARCHS))
     ints = {k: want_int(doc, (k,), data[k], minimum=1, maximum=MAX_DIM)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -115,41 +114,56 @@ def test_two_builds_at_once_make_one_file(tmp_path):
     target = cache_target(spec, DTYPES["f32"], 0, cache)
     assert paths == {str(target)} and valid_cache_entry(target)
     notes = sorted(err.strip().splitlines()[-1].rsplit(", ", 1)[-1] for _, err in results)
-    assert notes[0] == "cached" and notes[1].startswith("built in"), notes
+    assert notes[0].startswith("built in") and notes[1] == "cached", notes
     assert [p.name for p in cache.iterdir() if p.suffix == ".gguf"] == [target.name]
 
 
-def test_corrupt_model_fails_at_load_and_the_run_goes_on(tmp_path, run_cli):
-    """A GGUF whose header is fine but whose tensor data is cut short: llama.cpp refuses to
-    load it; the run records the failure with the model and step, measures the other model,
-    and exits 1."""
+def test_truncated_gguf_is_refused_before_the_run(tmp_path, run_cli):
+    from conftest import assert_user_error
+
     from harness.build import build
     from harness.specs import resolve_spec
 
     built = build(resolve_spec("tiny-llama"), DTYPES["f32"])
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(built.path.read_bytes()[: built.n_bytes // 2])
-    scenario = tmp_path / "s.yaml"
-    scenario.write_text(textwrap.dedent(f"""\
-        name: corrupt
-        models: ["{cut}", tiny-qwen2]
-        threads: [1]
-        repetitions: 1
-        warmup: 0
-        tests:
-          - {{prompt: 4, generate: 2}}
-        """))
     out = tmp_path / "run"
-    r = run_cli("run", str(scenario), "--out", str(out))
+    r = run_cli("run", str(_tiny_scenario(tmp_path, f'["{cut}"]')), "--out", str(out))
+    assert_user_error(r, "models[0]", "cut.gguf", "cannot read the GGUF file",
+                      "pass a complete GGUF file")
+    assert not out.exists()
+
+
+def test_a_model_llama_cpp_cannot_load_is_recorded_and_the_run_goes_on(tmp_path, run_cli):
+    """Its metadata claims 3 layers but it holds tensors for 2: the GGUF reads fine, llama.cpp
+    refuses it. The run records the failure with the model and step, measures the other model,
+    and exits 1."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    from harness.build import build
+    from harness.specs import resolve_spec
+
+    built = build(resolve_spec("tiny-llama"), DTYPES["f32"])
+    bad = tmp_path / "bad.gguf"
+    shutil.copy(built.path, bad)
+    reader = GGUFReader(bad, "r+")
+    field = reader.fields["llama.block_count"]
+    field.parts[field.data[0]][0] = 3
+    del reader
+    out = tmp_path / "run"
+    r = run_cli("run", str(_tiny_scenario(tmp_path, f'["{bad}", tiny-qwen2]')), "--out",
+                str(out))
     assert r.exit_code == 1, r.stderr
-    assert "cut|file" in r.stderr and "could not load" in r.stderr
+    assert "bad|file" in r.stderr and "could not load" in r.stderr
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     (failure,) = [x for x in records if x["type"] == "failure"]
-    assert failure["model_key"] == "cut|file" and failure["step"] == "load"
-    assert "cut.gguf" in failure["error"]
+    assert failure["model_key"] == "bad|file" and failure["step"] == "load"
+    assert "bad.gguf" in failure["error"] and "blk.2" in failure["error"]
     measured = [x for x in records if x["type"] == "measurement"]
     assert [m["model"] for m in measured] == ["tiny-qwen2"]
-    assert "**Failed:** cut|file at load" in (out / "report.md").read_text()
+    assert "**Failed:** bad|file at load" in (out / "report.md").read_text()
 
 
 def _tiny_scenario(tmp_path: Path, models: str = "[tiny-llama, tiny-qwen2]") -> Path:

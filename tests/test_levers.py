@@ -60,7 +60,8 @@ def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run)
         assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
         for perf in m["samples"]["perf"]:
             # the counters were reset after the fill: only the timed decode is in them
-            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] == 0
+            # (llama_perf_context reports a count of 0 as 1)
+            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] <= 1
 
 
 def test_kv_cache_type_is_in_the_id_only_when_not_the_default(levers_run):
@@ -80,7 +81,7 @@ def test_batched_decode_counts_every_sequence(levers_run):
         assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
         for perf in m["samples"]["perf"]:
             # every batch of more than one token counts as prompt eval in llama.cpp
-            assert perf["n_p_eval"] == b * (m["n_prompt"] + m["n_gen"]) and perf["n_eval"] == 0
+            assert perf["n_p_eval"] == b * (m["n_prompt"] + m["n_gen"]) and perf["n_eval"] <= 1
 
 
 def test_prefix_cache_times_three_ways_to_the_first_token(levers_run):

@@ -84,7 +84,7 @@ BAD = [
     (BASE.replace("tests:\n  - {prompt: 8, generate: 4}\n", "tests: []\n"), "tests",
      "empty list", 3),
     (BASE + "seed: 1.5\n", "seed", "whole number", 5),
-    (BASE + "flash_attn: sometimes\n", "flash_attn", "true or false", 5),
+    (BASE + "flash_attn: sometimes\n", "flash_attn", "true, false or auto", 5),
     ("models: [tiny-qwen2]\ntests: [{prompt: 1}]\n", None, "missing required key 'name'", 1),
     ("- just\n- a list\n", None, "expected a mapping", 1),
     ("name: t\nmodels: [tiny-qwen2\n", None, "invalid YAML", 3),
