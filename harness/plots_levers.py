@@ -101,10 +101,11 @@ def threads(analysis: dict, out_dir: Path) -> str | None:
                         f"{key[2]}")
         if all(r["ceiling_speedup"] for r in group):
             ax.plot(t, [r["ceiling_speedup"] for r in group], "--", color=line.get_color(),
-                    label=f"{'matmul peak' if key[0] == 'prefill' else 'read bandwidth'}")
+                    label=f"{'matmul peak' if key[0] == 'prefill' else 'read bandwidth'} "
+                    "(its ceiling)")
     ax.set_xlabel("threads")
     ax.set_ylabel("speed-up over the fewest threads")
-    ax.set_title("Thread scaling: prefill follows compute, decode follows bandwidth")
+    ax.set_title("Thread scaling of prefill and decode, beside their ceilings")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "threads")
@@ -120,7 +121,11 @@ def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
     height = 0.8 / len(methods)
     for j, (key, label) in enumerate(methods):
         ys = [i + j * height for i in range(len(rows))]
-        ax.barh(ys, [r[key]["mean"] for r in rows], height, label=label)
+        values = [r[key]["mean"] for r in rows]
+        ax.barh(ys, values, height, label=label)
+        for y, v in zip(ys, values, strict=True):
+            ax.annotate(f"{v:.2f} s", (v, y), textcoords="offset points", xytext=(4, -3),
+                        fontsize=8)
     ax.set_yticks([i + height for i in range(len(rows))],
                   [f"{r['model']} {r['dtype']}\n{r['shared_prefix']} + {r['n_prompt']} tokens"
                    for r in rows], fontsize=8)
