@@ -116,14 +116,22 @@ def _kv_row(m: dict, base: dict, models: dict) -> dict:
         return decode_n_bytes_per_token(model["decode_weight_n_bytes"], per_token, context(r))
 
     ms, base_ms = _mean(m["decode_ms_per_token"]), _mean(base["decode_ms_per_token"])
+    paired = m.get("paired_slowdown")
+    if paired:  # the same decode at depth 0, timed beside each repetition
+        measured, against = paired, "paired depth-0 baseline"
+    elif not m.get("depth"):
+        measured, against = {"mean": 1.0, "n": 1}, "itself"
+    else:  # a run from before the paired baseline existed: another measurement at depth 0
+        measured = {"mean": ms / base_ms, "n": 1} if ms and base_ms else None
+        against = f"the depth-{base.get('depth', 0)} measurement"
     return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "kv_type": kv,
             "depth": m.get("depth", 0), "n_gen": m["n_gen"], "tok_s": m["decode_tok_s"],
+            "baseline_tok_s": m.get("baseline_decode_tok_s"),
             "ms_per_token": m["decode_ms_per_token"], "kv_n_bytes_per_token": per_token,
             "kv_n_bytes": per_token * context(m), "bytes_per_token": step_n_bytes(m),
-            "baseline_depth": base.get("depth", 0),
-            "measured_slowdown": ms / base_ms if ms and base_ms else None,
-            "predicted_slowdown": step_n_bytes(m) / step_n_bytes(base), "flags": m["flags"],
-            "noise": m["noise"]}
+            "slowdown_against": against, "measured_slowdown": measured,
+            "predicted_slowdown": step_n_bytes(m) / step_n_bytes(m | {"depth": 0}),
+            "flags": m["flags"], "noise": m["noise"]}
 
 
 def kv_memory_rows(kv_rows: list[dict], models: dict) -> list[dict]:

@@ -262,14 +262,16 @@ class Context:
             L.llama_synchronize(self.ptr)
             return (time.perf_counter_ns() - start) / 1e9
 
-    def decode_parallel(self, steps: Sequence[Sequence[int]], first_pos: int) -> list[float]:
-        """Each step decodes one token of every sequence (token i on seq i, at first_pos +
-        step) in one batch, synchronized; seconds of each step."""
+    def decode_parallel(self, steps: Sequence[Sequence[int]], first_pos: int,
+                        first_seq: int = 0) -> list[float]:
+        """Each step decodes one token of every sequence (token i on seq first_seq + i, at
+        first_pos + step) in one batch, synchronized; seconds of each step."""
         n_seq = len(steps[0]) if steps else 0
         out = []
         with _Batch(max(n_seq, 1)) as batch:
             for k, tokens in enumerate(steps):
-                batch.fill([(tok, first_pos + k, i, True) for i, tok in enumerate(tokens)])
+                batch.fill([(tok, first_pos + k, first_seq + i, True)
+                            for i, tok in enumerate(tokens)])
                 start = time.perf_counter_ns()
                 rc = L.llama_decode(self.ptr, batch.raw)
                 L.llama_synchronize(self.ptr)

@@ -39,6 +39,9 @@ def context_params(m: Measurement):
         # seq 0 keeps the prefix, seq 1 shares its cells: that needs one unified buffer.
         n_ctx = m.shared_prefix + 2 * m.n_prompt
         return ContextParams(n_ctx=max(n_ctx, 16), n_seq_max=2, kv_unified=True, **common)
+    if m.depth:
+        # seq 0 holds the depth; seq 1 runs the same work from empty, paired in every repetition.
+        return ContextParams(n_ctx=2 * max(m.n_ctx, 16), n_seq_max=2, **common)
     # Independent sequences each get their own n_ctx / n_seq_max cells (llama.cpp's default).
     return ContextParams(n_ctx=max(m.n_ctx, 16 * m.parallel), n_seq_max=m.parallel, **common)
 
@@ -89,7 +92,9 @@ def _single(ctx, m: Measurement, rng):
         setup["depth_fill_s"] = ctx.prefill(_tokens(rng, ctx.n_vocab, m.depth))
 
     def repetition() -> dict:
+        out = {}
         if m.depth:
+            out["baseline_decode_s"] = _baseline(ctx, m, prompt, gen)
             ctx.trim(0, m.depth)  # back to exactly the filled depth
             _expect_cached(ctx, 0, m.depth, "after trimming to the depth")
             ctx.reset_perf()
@@ -97,9 +102,20 @@ def _single(ctx, m: Measurement, rng):
             ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
         prefill_s = ctx.prefill(prompt) if prompt else None
         decode_s = ctx.decode(gen) if gen else []
-        return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
+        return out | {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
 
     return setup, repetition
+
+
+def _baseline(ctx, m: Measurement, prompt: list, gen: list) -> list[float]:
+    """The same prompt and decode from an empty sequence (seq 1) in the same context, just
+    before the timed work at depth: the pair's ratio is the slowdown, free of drift."""
+    ctx.trim(1, 0)
+    if prompt:
+        ctx.prefill_seqs([prompt], first_seq=1)
+    steps = ctx.decode_parallel([[t] for t in gen], m.n_prompt, first_seq=1) if gen else []
+    _expect_cached(ctx, 1, m.n_prompt + m.n_gen, "after the depth-0 baseline")
+    return steps
 
 
 def _batched(ctx, m: Measurement, rng):
@@ -183,6 +199,8 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
     }
     if m.parallel > 1 and decode_totals:
         record["per_sequence_tok_s"] = summarize(rates(m.n_gen, decode_totals))
+    if m.depth and decode_totals:
+        _paired(record, reps, warmups, decode_totals)
     if m.kind == "prefix_cache":
         record["samples"]["reuse_s"] = {k: [r["reuse_s"][k] for r in reps]
                                         for k in REUSE_METHODS}
@@ -191,6 +209,18 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
         record["ttft_reuse_s"] = {k: summarize(v) for k, v in record["samples"]["reuse_s"].items()}
     record["flags"] = flags(record)
     return record
+
+
+def _paired(record: dict, reps: list[dict], warmups: list[dict],
+            decode_totals: list[float]) -> None:
+    """The depth-0 baseline decoded beside each repetition, and the per-repetition slowdown."""
+    baseline = [r["baseline_decode_s"] for r in reps]
+    record["samples"]["baseline_decode_s"] = baseline
+    record["warmup_samples"]["baseline_decode_s"] = [r["baseline_decode_s"] for r in warmups]
+    totals = [sum(b) for b in baseline]
+    record["baseline_decode_tok_s"] = summarize(rates(record["n_gen"], totals))
+    record["paired_slowdown"] = summarize([d / b for d, b in zip(decode_totals, totals,
+                                                                  strict=True) if b > 0])
 
 
 def flags(record: dict) -> list[str]:

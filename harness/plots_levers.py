@@ -40,25 +40,31 @@ def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
 
 
 def kv_depth(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis.get("kv_depth") or []
+    rows = [r for r in analysis.get("kv_depth") or [] if r.get("measured_slowdown")]
     if len({r["depth"] for r in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, group in _groups(rows, "model", "dtype", "kv_type", "threads").items():
         group = sorted(group, key=lambda r: r["depth"])
         depths = [r["depth"] for r in group]
-        base = group[0]["ms_per_token"]["mean"] / group[0]["measured_slowdown"]
-        line, = ax.plot(depths, [r["ms_per_token"]["mean"] for r in group], "o-",
-                        label=f"{key[0]} {key[1]}, KV {key[2]}: measured")
-        ax.plot(depths, [base * r["predicted_slowdown"] for r in group], "--",
-                color=line.get_color(), label=f"KV {key[2]}: predicted from bytes")
+        err = [_half_ci(r["measured_slowdown"]) for r in group]
+        line = ax.errorbar(depths, [r["measured_slowdown"]["mean"] for r in group], yerr=err,
+                           fmt="o-", capsize=4, label=f"{key[0]} {key[1]}, KV {key[2]}: "
+                           "measured (95% CI)")[0]
+        ax.plot(depths, [r["predicted_slowdown"] for r in group], "--", color=line.get_color(),
+                label=f"KV {key[2]}: predicted from bytes")
+    ax.axhline(1, color="0.7", lw=0.8)
     ax.set_xlabel("context depth (tokens already in the KV cache)")
-    ax.set_ylabel("decode ms/token")
+    ax.set_ylabel("decode slowdown against depth 0 (×)")
     ax.set_title("Decode at context depth")
-    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "kv_depth")
+
+
+def _half_ci(summary: dict) -> float:
+    ci = summary.get("ci95")
+    return (ci[1] - ci[0]) / 2 if ci else 0.0
 
 
 def batching(analysis: dict, out_dir: Path) -> str | None:

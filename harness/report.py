@@ -18,7 +18,7 @@ PLOTS = {
     "prefill_vs_prompt": "Prefill time and tok/s against prompt length",
     "decode_per_token": "Every decode step's time, repetition by repetition (warm-ups grey)",
     "quant_speedup": "Decode and prefill speed-up of each weight type against its byte reduction",
-    "kv_depth": "Decode time per token against context depth, measured and predicted from bytes",
+    "kv_depth": "Decode slowdown against context depth, measured and predicted from bytes",
     "batching": "Aggregate and per-sequence decode tok/s against the number of sequences",
     "threads": "Speed-up of prefill and decode with threads, beside the ceilings' own scaling",
     "prefix_cache": "Time to first token with the shared prefix recomputed or reused",

@@ -58,6 +58,13 @@ def _prefill_note(rows: list[dict]) -> str:
             f"prefill {span('prefill_speedup')}, decode {span('decode_speedup')}.")
 
 
+def _unpaired_note(rows: list[dict]) -> list[str]:
+    if any(r["depth"] and r["baseline_tok_s"] is None for r in rows):
+        return ["This run predates the paired baseline: its slowdowns compare separate "
+                "measurements, so they include the machine's drift between them."]
+    return []
+
+
 def _drift_notes(rows: list[dict]) -> list[str]:
     """At depth 0 the cache holds next to nothing, so KV types differing there is drift."""
     out = []
@@ -69,8 +76,8 @@ def _drift_notes(rows: list[dict]) -> list[str]:
             out.append(f"{key[0]} {key[1]}: at depth 0 the KV types read almost the same bytes, "
                        f"yet decode differed by {spread:.0%} ("
                        + ", ".join(f"{k} {v:.2f} tok/s" for k, v in zero.items())
-                       + "): that is how far this machine drifted between measurements; "
-                       "slowdowns within that margin are not resolved.")
+                       + "): that is how far this machine drifted between measurements, "
+                       "and why each slowdown is measured against its own paired baseline.")
     return out
 
 
@@ -85,7 +92,8 @@ def kv_tables(analysis: dict) -> list[Table]:
         Column("KV read per step (MiB)", "kv_n_bytes", "mib"),
         Column("read per step (GiB)", "bytes_per_token", "gib"),
         Column("decode tok/s", "tok_s", "stat"), Column("ms/token", "ms_per_token", "stat"),
-        Column("measured slowdown", "measured_slowdown", "x"),
+        Column("paired depth-0 tok/s", "baseline_tok_s", "stat"),
+        Column("measured slowdown (×)", "measured_slowdown", "stat2"),
         Column("slowdown the bytes predict", "predicted_slowdown", "x"),
         Column("notes", "notes")],
         [r | {"notes": _notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))}
@@ -93,10 +101,13 @@ def kv_tables(analysis: dict) -> list[Table]:
         ["The depth is filled once, untimed; every repetition then trims the cache back to it "
          "and times the decode. Each step reads every weight plus K and V of every cached "
          "token (layers × KV heads × head size × 2 × bytes per element).",
-         "Slowdowns are against depth 0 of the same KV type. The predicted slowdown is the "
-         "ratio of bytes read per step; a measured slowdown above it means attention costs "
-         "more than its bytes: the dot products over the context, run on few cores.",
-         *_drift_notes(rows)])
+         "Measured slowdown: in every repetition the same tokens are first decoded on an empty "
+         "second sequence of the same context (depth 0), then at the depth; the slowdown is "
+         "the ratio of the two, so drift of the machine between measurements cancels. The "
+         "predicted slowdown is the ratio of bytes read per step; a measured slowdown above "
+         "it means attention costs more than its bytes: the dot products over the context, "
+         "run on few cores.",
+         *_drift_notes(rows), *_unpaired_note(rows)])
     memory = Table("kv_memory", "Memory for concurrent users (estimates)", [
         Column("model", "model"), Column("dtype", "dtype"), Column("KV type", "kv_type"),
         Column("context", "context", "int"), Column("KV per user (GiB)", "kv_per_user", "gib3"),

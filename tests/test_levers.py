@@ -58,6 +58,13 @@ def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run)
     for m in deep:
         assert m["setup"]["depth_fill_s"] > 0
         assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
+        # the depth-0 baseline decoded beside every repetition, and the paired ratio
+        baseline = m["samples"]["baseline_decode_s"]
+        assert [len(b) for b in baseline] == [m["n_gen"]] * m["repetitions"]
+        ratios = [sum(d) / sum(b) for d, b in zip(m["samples"]["decode_s"], baseline,
+                                                    strict=True)]
+        assert m["paired_slowdown"]["mean"] == pytest.approx(sum(ratios) / len(ratios))
+        assert len(m["warmup_samples"]["baseline_decode_s"]) == m["warmup"]
         for perf in m["samples"]["perf"]:
             # the counters were reset after the fill: only the timed decode is in them
             # (llama_perf_context reports a count of 0 as 1)
@@ -106,6 +113,7 @@ def test_lever_analysis_is_consistent(levers_run):
         assert (r["byte_reduction"] > 1) == (r["dtype"] == "q8_0")
     for r in a["kv_depth"]:
         assert (r["predicted_slowdown"] > 1) == (r["depth"] > 0)
+        assert r["slowdown_against"] == ("paired depth-0 baseline" if r["depth"] else "itself")
         assert r["kv_n_bytes"] == pytest.approx(r["kv_n_bytes_per_token"] * (r["depth"] + 3.5))
     q8, f16 = ([r for r in a["kv_depth"] if r["kv_type"] == t][0]["kv_n_bytes_per_token"]
                for t in ("q8_0", "f16"))
