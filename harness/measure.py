@@ -41,7 +41,7 @@ def context_params(m: Measurement):
         return ContextParams(n_ctx=max(n_ctx, 16), n_seq_max=2, kv_unified=True, **common)
     if m.depth:
         # seq 0 holds the depth; seq 1 runs the same work from empty, paired in every repetition.
-        return ContextParams(n_ctx=2 * max(m.n_ctx, 16), n_seq_max=2, **common)
+        return ContextParams(n_ctx=max(m.n_ctx, 32), n_seq_max=2, **common)
     # Independent sequences each get their own n_ctx / n_seq_max cells (llama.cpp's default).
     return ContextParams(n_ctx=max(m.n_ctx, 16 * m.parallel), n_seq_max=m.parallel, **common)
 

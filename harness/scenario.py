@@ -93,8 +93,9 @@ class Measurement:
 
     @property
     def n_ctx(self) -> int:
-        """KV cache cells the context needs, over all its sequences."""
-        return self.parallel * self.n_seq_ctx
+        """KV cache cells the context needs, over all its sequences (a depth test keeps a
+        second, depth-0 sequence beside it for its paired baseline)."""
+        return (2 if self.depth else self.parallel) * self.n_seq_ctx
 
     @property
     def kind(self) -> str:

@@ -122,7 +122,7 @@ def test_lever_keys_expand_and_default_ids_stay_the_same(tmp_path):
     plain = s.measurements[0]
     assert plain.id == "tiny-qwen2|f32|t1|b2048|ub512|fa-auto|pp8|tg4" and plain.kind == "single"
     deep = [m for m in s.measurements if m.depth == 64 and m.kv_type == "q8_0"]
-    assert len(deep) == 3 and deep[0].id.endswith("|d64|kv-q8_0") and deep[0].n_ctx == 68
+    assert len(deep) == 3 and deep[0].id.endswith("|d64|kv-q8_0") and deep[0].n_ctx == 2 * 68
     batched = [m for m in s.measurements if m.parallel == 4]
     assert batched[0].kind == "batched" and batched[0].n_ctx == 4 * 8
     prefix = [m for m in s.measurements if m.shared_prefix][0]
