@@ -18,6 +18,16 @@ def is_plain(m: dict) -> bool:
     return plain(m)
 
 
+def finish(ax, fig, out_dir: Path, name: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label one-axes plots the same way, then save them."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, name)
+
+
 def _save(fig, out_dir: Path, name: str) -> str:
     for ext in ("png", "svg"):
         fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight")
@@ -97,13 +107,21 @@ def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) ->
             ax.axvline(step, color="0.85", lw=0.5)
             step += len(rep)
         ax.set_title(f"{m['model']} {m['dtype']}, {m['threads']} threads, "
-                     f"{m['n_gen']} tokens after {m['n_prompt']}", fontsize=9)
-        ax.set_ylabel("ms/token")
+                     f"{m['n_gen']} tokens after {m['n_prompt']}" + _levers_label(m), fontsize=9)
+        ax.set_ylabel("ms/step" if m.get("parallel", 1) > 1 else "ms/token")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("decode step (warm-ups grey, then each repetition)")
     fig.tight_layout()
     return _save(fig, out_dir, "decode_per_token")
+
+
+def _levers_label(m: dict) -> str:
+    parts = [f"depth {m['depth']:,}" if m.get("depth") else "",
+             f"KV {m['kv_type']}" if m.get("kv_type", "f16") != "f16" else "",
+             f"{m['parallel']} sequences" if m.get("parallel", 1) > 1 else ""]
+    parts = [p for p in parts if p]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def write_plots(measurements: list[dict], analysis: dict, out_dir: Path) -> list[str]:

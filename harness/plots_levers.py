@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _save, plt
+from .plots import _save, finish, plt
 
 
 def _groups(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -31,12 +31,9 @@ def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
                     label=f"{phase}: {model} ({threads} threads)")
             for x, y, dtype in pts:
                 ax.annotate(dtype, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("byte reduction per decode step (× fewer bytes than the widest type)")
-    ax.set_ylabel("speed-up")
-    ax.set_title("Quantization: speed-up against byte reduction")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out_dir, "quant_speedup")
+    return finish(ax, fig, out_dir, "quant_speedup",
+                  "byte reduction per decode step (× fewer bytes than the widest type)",
+                  "speed-up", "Quantization: speed-up against byte reduction")
 
 
 def kv_depth(analysis: dict, out_dir: Path) -> str | None:
@@ -54,12 +51,8 @@ def kv_depth(analysis: dict, out_dir: Path) -> str | None:
         ax.plot(depths, [r["predicted_slowdown"] for r in group], "--", color=line.get_color(),
                 label=f"KV {key[2]}: predicted from bytes")
     ax.axhline(1, color="0.7", lw=0.8)
-    ax.set_xlabel("context depth (tokens already in the KV cache)")
-    ax.set_ylabel("decode slowdown against depth 0 (×)")
-    ax.set_title("Decode at context depth")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out_dir, "kv_depth")
+    return finish(ax, fig, out_dir, "kv_depth", "context depth (tokens already in the KV cache)",
+                  "decode slowdown against depth 0 (×)", "Decode at context depth")
 
 
 def _half_ci(summary: dict) -> float:
@@ -109,12 +102,8 @@ def threads(analysis: dict, out_dir: Path) -> str | None:
             ax.plot(t, [r["ceiling_speedup"] for r in group], "--", color=line.get_color(),
                     label=f"{'matmul peak' if key[0] == 'prefill' else 'read bandwidth'} "
                     "(its ceiling)")
-    ax.set_xlabel("threads")
-    ax.set_ylabel("speed-up over the fewest threads")
-    ax.set_title("Thread scaling of prefill and decode, beside their ceilings")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out_dir, "threads")
+    return finish(ax, fig, out_dir, "threads", "threads", "speed-up over the fewest threads",
+                  "Thread scaling of prefill and decode, beside their ceilings")
 
 
 def prefix_cache(analysis: dict, out_dir: Path) -> str | None:

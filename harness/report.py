@@ -197,6 +197,15 @@ def report_data(records, analysis: dict) -> dict:
 
 # --- rendering -----------------------------------------------------------------------------
 
+_FORMATS = {
+    "int": lambda v: f"{v:,}",
+    "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",
+    "pct": lambda v: f"{v:.0%}", "spct": lambda v: f"{v:+.1%}", "x": lambda v: f"{v:.2f}×",
+    "gib": lambda v: f"{v / GIB:.2f}", "gib3": lambda v: f"{v / GIB:.3f}",
+    "mib": lambda v: f"{v / 2**20:,.1f}", "kib": lambda v: f"{v / 2**10:,.1f}",
+}
+
+
 def _cell(value, kind: str) -> str:
     if value is None or value == "":
         return "–" if kind != "str" else ""
@@ -205,24 +214,8 @@ def _cell(value, kind: str) -> str:
         ci = value.get("ci95")
         half = f" ± {(ci[1] - ci[0]) / 2:.{digits}f}" if ci else ""
         return f"{value['mean']:.{digits}f}{half}"
-    if kind == "int":
-        return f"{value:,}"
-    if kind in ("f1", "f2", "f3"):
-        return f"{value:,.{int(kind[1])}f}"
-    if kind == "pct":
-        return f"{value:.0%}"
-    if kind == "spct":
-        return f"{value:+.1%}"
-    if kind == "gib":
-        return f"{value / GIB:.2f}"
-    if kind == "gib3":
-        return f"{value / GIB:.3f}"
-    if kind == "mib":
-        return f"{value / 2**20:,.1f}"
-    if kind == "kib":
-        return f"{value / 2**10:,.1f}"
-    if kind == "x":
-        return f"{value:.2f}×"
+    if kind in _FORMATS:
+        return _FORMATS[kind](value)
     return str(value).replace("|", "\\|")
 
 
