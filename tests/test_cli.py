@@ -106,3 +106,17 @@ def test_import_refuses_to_overwrite(run_cli, tmp_path):
     r = run_cli("models", "import", str(HF / "qwen2-0.5b-config.json"), "-o", str(out))
     assert_user_error(r, "exists already", "--force")
     assert out.read_text() == "keep me"
+
+
+def test_an_internal_error_is_one_line_not_a_traceback(run_cli, monkeypatch):
+    import harness.specs
+
+    def broken(directory=None):
+        raise TypeError("simulated bug")
+
+    monkeypatch.setattr(harness.specs, "all_specs", broken)
+    monkeypatch.delenv("HARNESS_DEBUG", raising=False)
+    r = run_cli("models")
+    assert r.exit_code == 1 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    assert "internal error (TypeError: simulated bug)" in line and "HARNESS_DEBUG=1" in line

@@ -1,4 +1,4 @@
-"""Ctrl-C with a real subprocess: it stops within a second, keeps what was measured, resumes."""
+"""Ctrl-C and SIGTERM with a real subprocess: stop within a second, keep, resume."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "long_tiny.yaml"
@@ -20,7 +21,8 @@ def _measurements(path: Path) -> int:
                if line.endswith("}") and json.loads(line)["type"] == "measurement")
 
 
-def test_sigint_stops_within_a_second_and_resume_completes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_stops_within_a_second_and_resume_completes(tmp_path, sig):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "harness", "run", str(SCENARIO), "--out", str(out)]
     env = os.environ | {"HARNESS_PROBE_MIB": "8"}  # the ceilings are not under test here
@@ -33,7 +35,7 @@ def test_sigint_stops_within_a_second_and_resume_completes(tmp_path):
     assert _measurements(results) == 1, "the first measurement never appeared"
     time.sleep(0.5)  # now inside the long decode measurement
     sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=10)
     assert time.monotonic() - sent < 1.0
     assert proc.returncode == 130, err
