@@ -130,6 +130,34 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         sys.exit(EXIT_FAILURE)
 
 
+@cli.command()
+@click.argument("scenario", type=click.Path(path_type=Path))
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+def check(scenario: Path, cache_dir: Path | None) -> None:
+    """Validate SCENARIO and list what `run` would measure, without running anything."""
+    from .env import physical_cores
+    from .runner import plan_summary, preflight
+    from .scenario import load_scenario
+    from .tables import test_label
+
+    plan = load_scenario(scenario, physical_cores())
+    preflight(plan, list(plan.measurements), cache_dir)
+    for m in plan.measurements:
+        click.echo(f"{m.id}  ({m.model.label} {m.model.dtype}, {m.settings.threads} threads, "
+                   f"{test_label(_lever_fields(m))}, {m.settings.repetitions} + "
+                   f"{m.settings.warmup} warm-up)")
+    summary = plan_summary(plan, cache_dir)
+    click.echo(f"{plan.title}: {len(plan.measurements)} measurements of "
+               f"{summary['n_models']} model file(s); at most {summary['ram_gib']:.2f} GiB of "
+               f"RAM at once; {summary['build_gib']:.2f} GiB still to build. OK.", err=True)
+
+
+def _lever_fields(m) -> dict:
+    return {"n_prompt": m.n_prompt, "n_gen": m.n_gen, "depth": m.depth, "kv_type": m.kv_type,
+            "parallel": m.parallel, "shared_prefix": m.shared_prefix}
+
+
 def default_run_dir(name: str, resume: bool) -> Path:
     """reports/runs/NAME-TIMESTAMP, or with --resume the newest run of that scenario."""
     import datetime as dt

@@ -141,6 +141,10 @@ def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> Non
 def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> None:
     """Everything that can be refused before any work: RAM, and disk for the builds."""
     check_resources(todo, cache_dir)
+    check_build_space(_build_n_bytes(scenario, todo, cache_dir), cache_dir)
+
+
+def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> int:
     need, seen = 0, set()
     for m in todo:
         key = (m.model.spec_name, m.model.dtype)
@@ -149,7 +153,15 @@ def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | Non
         seen.add(key)
         need += missing_build_n_bytes(resolve_spec(m.model.ref), DTYPES[m.model.dtype],
                                       scenario.seed, cache_dir)
-    check_build_space(need, cache_dir)
+    return need
+
+
+def plan_summary(scenario: Scenario, cache_dir: Path | None) -> dict:
+    """What a run of the scenario would take: model files, peak RAM, bytes still to build."""
+    todo = list(scenario.measurements)
+    return {"n_models": len({model_key(m.model) for m in todo}),
+            "ram_gib": max(memory_needed_bytes(m) for m in todo) / 2**30,
+            "build_gib": _build_n_bytes(scenario, todo, cache_dir) / 2**30}
 
 
 def check_resources(todo: list[Measurement], cache_dir: Path | None) -> None:

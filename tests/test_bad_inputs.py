@@ -59,6 +59,9 @@ def test_bad_input_is_refused_clearly(path, run_cli, tmp_path):
         assert f": {key}: " in message, message
     assert message.endswith(")"), f"no fix in brackets: {message}"
     assert not out.exists(), "a refused run must not leave a run directory"
+    if path.name.startswith("s_"):  # `harness check` refuses it the same way
+        checked = run_cli("check", str(path), "--cache-dir", str(cache))
+        assert checked.exit_code == 2 and checked.stderr.strip() == message
     assert not list(cache.rglob("*.gguf")) if cache.exists() else True
 
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, assert_user_error, run_subprocess
@@ -120,3 +121,13 @@ def test_an_internal_error_is_one_line_not_a_traceback(run_cli, monkeypatch):
     assert r.exit_code == 1 and "Traceback" not in r.stderr
     (line,) = [x for x in r.stderr.splitlines() if x.strip()]
     assert "internal error (TypeError: simulated bug)" in line and "HARNESS_DEBUG=1" in line
+
+
+def test_check_lists_the_plan_without_running(run_cli, tmp_path):
+    scenario = Path(__file__).resolve().parent / "scenarios" / "levers.yaml"
+    r = run_cli("check", str(scenario), "--cache-dir", str(tmp_path / "cache"))
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 20 and "tg8@d64 kv=q8_0" in r.stdout and "pp8" in r.stdout
+    assert "20 measurements of 2 model file(s)" in r.stderr and "still to build. OK." in r.stderr
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.gguf"))
