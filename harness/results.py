@@ -49,13 +49,24 @@ def read_records(path: Path) -> Records:
         try:
             record = json.loads(line)
         except ValueError:
+            record = None
+        if not _well_formed(record):
             raise HarnessError("corrupt results line", source=str(path), line=number,
-                               fix="restore the file or start a new run") from None
+                               fix="restore the file or start a new run")
         _file(records, record)
     if records.header is None and lines:
         raise HarnessError("results file has no header record", source=str(path),
                            fix="pass a results.jsonl written by `harness run`")
     return records
+
+
+# The keys each record type is filed by; a line without them was not written by a run.
+_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("scenario",)}
+
+
+def _well_formed(record: object) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("type"), str)
+            and all(k in record for k in _REQUIRED.get(record["type"], ())))
 
 
 def _file(records: Records, record: dict) -> None:

@@ -10,6 +10,7 @@ Each file states what its error must say in its first lines:
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -124,5 +125,26 @@ def test_spec_loader_loads_or_refuses(data):
 def test_yaml_parser_loads_or_refuses_any_text(text):
     try:
         parse_yaml(text, "fuzz.yaml")
+    except HarnessError as exc:
+        assert "\n" not in exc.render()
+
+
+_json_lines = st.lists(st.one_of(
+    st.binary(max_size=40),
+    st.recursive(_scalars, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(
+            st.sampled_from(["type", "key", "id", "scenario", "seq"]), inner, max_size=4)),
+        max_leaves=8).map(lambda v: json.dumps(v, allow_nan=True).encode())), max_size=6)
+
+
+@_FAST
+@given(lines=_json_lines)
+def test_results_reader_reads_or_refuses(tmp_path, lines):
+    from harness.results import read_records
+
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    try:
+        read_records(path)
     except HarnessError as exc:
         assert "\n" not in exc.render()
