@@ -80,16 +80,20 @@ def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
         label = f"{key[0]} {key[1]} ({key[2]} threads)"
         a1.plot(n, [m["ttft_s"]["mean"] for m in group], "o-", label=label)
         a2.plot(n, [m["prefill_tok_s"]["mean"] for m in group], "o-", label=label)
-    a1.set_ylabel("prefill time (s)")
-    a2.set_ylabel("prefill tokens/s")
-    for ax in (a1, a2):
-        ax.set_xlabel("prompt tokens")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+    log2_pair(a1, a2, "prompt tokens", "prefill time (s)", "prefill tokens/s")
     a2.legend(fontsize=8)
     fig.suptitle("Prefill against prompt length")
     return _save(fig, out_dir, "prefill_vs_prompt")
+
+
+def log2_pair(a1, a2, xlabel: str, ylabel1: str, ylabel2: str) -> None:
+    """Two side-by-side panels over a doubling x axis (prompt lengths, batch sizes)."""
+    for ax, ylabel in ((a1, ylabel1), (a2, ylabel2)):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
 
 
 def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) -> str | None:

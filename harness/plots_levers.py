@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _save, finish, plt
+from .plots import _save, finish, log2_pair, plt
 
 
 def _groups(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -74,14 +74,10 @@ def batching(analysis: dict, out_dir: Path) -> str | None:
             a1.plot(b, [r["bound_tok_s"] for r in group], "--", color=line.get_color(),
                     label="roofline bound from the measured ceilings")
         a2.plot(b, [r["per_sequence_tok_s"]["mean"] for r in group], "o-", label=label)
-    a1.set_ylabel("aggregate tokens/s")
-    a2.set_ylabel("tokens/s each sequence sees")
-    for ax in (a1, a2):
-        ax.set_xlabel("sequences decoded together")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    log2_pair(a1, a2, "sequences decoded together", "aggregate tokens/s",
+              "tokens/s each sequence sees")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
     fig.suptitle("Batching independent sequences")
     return _save(fig, out_dir, "batching")
 
