@@ -176,7 +176,7 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
     n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
     record = {
         "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
-        "model_key": f"{m.model.label}|{m.model.dtype}", "dtype": m.model.dtype,
+        "model_key": m.model.key, "dtype": m.model.dtype,
         "threads": s.threads, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch,
         "flash_attn": s.flash_attn, "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,

@@ -9,13 +9,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .analysis import is_plain  # noqa: E402
+
 GIB = 2**30
-
-
-def is_plain(m: dict) -> bool:
-    from .analysis import is_plain as plain
-
-    return plain(m)
 
 
 def finish(ax, fig, out_dir: Path, name: str, xlabel: str, ylabel: str, title: str) -> str:

@@ -43,17 +43,13 @@ class Console:
     advance: Callable[[dict], None] = lambda record: None
 
 
-def model_key(ref: ModelRef) -> str:
-    return f"{ref.label}|{ref.dtype}"
-
-
 def pending(scenario: Scenario, done: set[str]) -> list[Measurement]:
     """What is left to measure, grouped by model (first appearance order) so each loads once."""
     todo = [m for m in scenario.measurements if m.id not in done]
     first = {}
     for i, m in enumerate(todo):
-        first.setdefault(model_key(m.model), i)
-    return sorted(todo, key=lambda m: first[model_key(m.model)])
+        first.setdefault(m.model.key, i)
+    return sorted(todo, key=lambda m: first[m.model.key])
 
 
 ProbeFn = Callable[[list[int]], dict]
@@ -108,7 +104,7 @@ def _probe(writer: RunWriter, when: str, threads: list[int], probe_fn: ProbeFn |
 
 def _measure_all(todo: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
                  cache_dir: Path | None, console: Console) -> None:
-    for key, group in groupby(todo, key=lambda m: model_key(m.model)):
+    for key, group in groupby(todo, key=lambda m: m.model.key):
         group = list(group)
         try:
             _run_model(group, writer, scenario, strict, cache_dir, console)
@@ -159,40 +155,50 @@ def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path 
 def plan_summary(scenario: Scenario, cache_dir: Path | None) -> dict:
     """What a run of the scenario would take: model files, peak RAM, bytes still to build."""
     todo = list(scenario.measurements)
-    return {"n_models": len({model_key(m.model) for m in todo}),
-            "ram_gib": max(memory_needed_bytes(m) for m in todo) / 2**30,
+    return {"n_models": len({m.model.key for m in todo}),
+            "ram_gib": max(need for _, need in _memory_by_model(todo)) / 2**30,
             "build_gib": _build_n_bytes(scenario, todo, cache_dir) / 2**30}
 
 
 def check_resources(todo: list[Measurement], cache_dir: Path | None) -> None:
     """Refuse before any work when a model cannot fit in RAM."""
     available = available_ram_bytes()
-    for key, group in groupby(todo, key=lambda m: model_key(m.model)):
-        group = list(group)
-        need = max(memory_needed_bytes(m) for m in group)
+    for key, need in _memory_by_model(todo):
         if available is not None and need > available:
             raise HarnessError(f"{key} needs about {need / 2**30:.2f} GiB of RAM (weights, KV "
                                f"cache, compute buffers), {available / 2**30:.2f} GiB is available",
                                fix="use a smaller model, dtype or context")
 
 
+def _memory_by_model(todo: list[Measurement]) -> list[tuple[str, int]]:
+    """Each model's peak RAM over its measurements (its spec and file size looked up once)."""
+    by_model: dict[str, list[Measurement]] = {}
+    for m in todo:
+        by_model.setdefault(m.model.key, []).append(m)
+    out = []
+    for key, group in by_model.items():
+        ref = group[0].model
+        spec = _spec_of(ref)
+        weights = ref.gguf_path.stat().st_size if ref.gguf_path else estimated_n_bytes(
+            spec, DTYPES[ref.dtype])
+        out.append((key, max(weights + memory_needed_bytes(m, spec) for m in group)))
+    return out
+
+
 def _spec_of(ref: ModelRef) -> ModelSpec:
     return spec_from_gguf(ref.gguf_path) if ref.gguf_path else resolve_spec(ref.ref)
 
 
-def memory_needed_bytes(m: Measurement) -> int:
-    """Weights + KV cache + an upper estimate of llama.cpp's compute buffers."""
-    ref, n_ctx = m.model, m.n_ctx
-    spec = _spec_of(ref)
-    weights = ref.gguf_path.stat().st_size if ref.gguf_path else estimated_n_bytes(
-        spec, DTYPES[ref.dtype])
+def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
+    """KV cache + an upper estimate of llama.cpp's compute buffers (the weights come on top)."""
+    n_ctx = m.n_ctx
     kv = kv_n_bytes_per_token(spec, m.kv_type, m.kv_type) * n_ctx
     # Activations of one ubatch: attention scores, FFN intermediates, the residual stream, and
     # one row of logits, in F32 (what llama.cpp's graph allocator reserves, within ~2x).
     per_token = (spec.num_attention_heads * n_ctx + 3 * spec.intermediate_size
                  + 4 * spec.hidden_size + spec.vocab_size)
     compute = 4 * min(m.settings.n_ubatch, n_ctx) * per_token
-    return int(weights + kv + compute)
+    return int(kv + compute)
 
 
 def _run_model(group: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
@@ -229,7 +235,7 @@ def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Conso
 
 
 def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
-    key = model_key(ref)
+    key = ref.key
     if key in writer.records.models:
         return writer.records.models[key]
     info = model.info()

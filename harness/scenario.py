@@ -46,6 +46,11 @@ class ModelRef:
     def label(self) -> str:
         return self.spec_name or self.gguf_path.stem
 
+    @property
+    def key(self) -> str:
+        """label|dtype: how results name one model file."""
+        return f"{self.label}|{self.dtype}"
+
 
 @dataclass(frozen=True)
 class Settings:
