@@ -74,7 +74,7 @@ def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
 def _speedups(rows: list[dict]) -> list[dict]:
     """Against the widest type present (F32 normally): byte reduction and speed-ups."""
     base = max(rows, key=lambda r: r["bytes_per_token"])
-    for r in sorted(rows, key=lambda r: -r["bytes_per_token"]):
+    for r in rows:
         r["baseline"] = base["dtype"]
         r["byte_reduction"] = base["bytes_per_token"] / r["bytes_per_token"]
         for phase in ("decode", "prefill"):
@@ -88,8 +88,9 @@ def _speedups(rows: list[dict]) -> list[dict]:
 # --- KV cache depth and type -------------------------------------------------------------
 
 def kv_depth_rows(measurements: list[dict], models: dict) -> list[dict]:
-    """Decode at each depth against depth 0 of the same KV type: measured and byte-predicted
-    slowdown. Only groups that vary depth, or use a non-F16 cache, are shown."""
+    """Decode at each depth with its measured slowdown (against the paired depth-0 baseline)
+    and the slowdown its bytes predict. Only groups that vary depth, or use a non-F16 cache,
+    are shown."""
     singles = [m for m in measurements if m.get("kind", "single") == "single" and m["n_gen"]
                and m.get("decode_tok_s") and m["model_key"] in models]
     rows = []
