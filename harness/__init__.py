@@ -1,3 +1,3 @@
 """harness: measure how LLM inference uses a machine's hardware."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -247,12 +247,17 @@ def compare(runs: tuple[Path, ...], out: Path | None) -> None:
               help="Comma-separated thread counts (default: 1 and the physical cores).")
 @click.option("--size-mib", type=click.IntRange(1, 1 << 20), default=None,
               help="Array size (default: 1 GiB or 4x the last-level cache, whichever is larger).")
+@click.option("--dtypes", "dtype_list", default="f32,f16,q8_0,q4_0", show_default=True,
+              help="Comma-separated weight types for ggml's streaming and compute figures.")
 @click.option("--passes", type=click.IntRange(5, 1000), default=7, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def probe(thread_list: str | None, size_mib: int | None, passes: int, as_json: bool) -> None:
-    """Measure memory bandwidth (read, copy) and F32 matmul GFLOP/s on this machine."""
+def probe(thread_list: str | None, size_mib: int | None, dtype_list: str, passes: int,
+          as_json: bool) -> None:
+    """Measure this machine's ceilings: numpy read and copy bandwidth, and per weight type
+    ggml's streaming bandwidth (matrix-vector) and compute peak (matrix-matrix)."""
     from .env import physical_cores
     from .probe import probe as run_probe
+    from .probe import probe_dtypes
     from .tables import render_probe
 
     threads = sorted({1, physical_cores()})
@@ -265,7 +270,13 @@ def probe(thread_list: str | None, size_mib: int | None, passes: int, as_json: b
         if min(threads) < 1:
             raise HarnessError("thread counts must be at least 1", key="--threads",
                                fix="e.g. --threads 1,2")
-    result = run_probe(threads, size_mib << 20 if size_mib else None, passes)
+    dtypes = [d.strip().lower() for d in dtype_list.split(",") if d.strip()]
+    known = probe_dtypes()
+    for d in dtypes:
+        if d not in known:
+            raise HarnessError(f"unknown weight type {d!r}", key="--dtypes",
+                               fix="choose from " + ", ".join(known))
+    result = run_probe(threads, dtypes, size_mib << 20 if size_mib else None, passes)
     click.echo(json.dumps(result, indent=1) if as_json else render_probe(result))
 
 

@@ -39,20 +39,34 @@ def weights_n_bytes(table: list[TensorEntry]) -> int:
 
 
 def decode_weight_n_bytes(table: list[TensorEntry]) -> int:
-    """Weight bytes one decode step reads.
+    """Weight bytes one decode step reads (see decode_n_bytes_by_type)."""
+    return sum(decode_n_bytes_by_type(table).values())
+
+
+def decode_n_bytes_by_type(table: list[TensorEntry]) -> dict[str, int]:
+    """Weight bytes one decode step reads, per tensor type (lower-case ggml names).
 
     Every matrix is multiplied by the new token's vector, so it is read whole, except the token
     embedding: a lookup of one row (get_rows in llama.cpp), unless there is no output.weight and
     the output layer reuses the embedding (tied), which then is read whole as the LM head.
     """
     names = {t.name for t in table}
-    total = 0
+    out: dict[str, int] = {}
     for t in table:
-        if t.name == TOKEN_EMBEDDING and OUTPUT in names:
-            total += t.n_bytes // max(t.n_rows, 1)
-        else:
-            total += t.n_bytes
-    return total
+        n = t.n_bytes // max(t.n_rows, 1) if (t.name == TOKEN_EMBEDDING
+                                               and OUTPUT in names) else t.n_bytes
+        out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + n
+    return out
+
+
+def matmul_n_params_by_type(table: list[TensorEntry]) -> dict[str, int]:
+    """Parameters of the block matrices every prompt token is multiplied by, per tensor type
+    (the token embedding is a lookup, the output layer runs for the last token only)."""
+    out: dict[str, int] = {}
+    for t in table:
+        if len(t.shape) >= 2 and t.name not in (TOKEN_EMBEDDING, OUTPUT):
+            out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + t.n_elements
+    return out
 
 
 def kv_type_bytes_per_element(type_name: str) -> float:
@@ -106,8 +120,10 @@ def prefill_flops(spec: ModelSpec, n_prompt: int) -> float:
 
 
 def mean_decode_context(n_prompt: int, n_gen: int) -> float:
-    """Average KV cache length a decode step reads: the prompt plus half the generation."""
-    return n_prompt + (n_gen - 1) / 2 if n_gen else float(n_prompt)
+    """Average KV cache cells a decode step reads: the step at position p reads p + 1 cells
+    (its own K and V included), so steps at n_prompt .. n_prompt + n_gen - 1 average
+    n_prompt + (n_gen + 1) / 2."""
+    return n_prompt + (n_gen + 1) / 2 if n_gen else float(n_prompt)
 
 
 def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:

@@ -76,6 +76,29 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def harness_provenance() -> dict:
+    """The harness version and, when it runs from a git checkout, its commit and whether the
+    working tree had changes (results tie to the code that made them)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    out = {"version": __version__, "commit": None, "dirty": None}
+    if not (root / ".git").exists():
+        return out
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
+                                capture_output=True, timeout=5)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                 "--untracked-files=no"], text=True, capture_output=True,
+                                timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return out
+    if commit.returncode == 0:
+        out["commit"] = commit.stdout.strip()
+        out["dirty"] = bool(status.stdout.strip()) if status.returncode == 0 else None
+    return out
+
+
 def collect_env() -> dict:
     """Everything `harness env` shows and every result embeds."""
     from . import llama  # imported late: it loads llama.cpp's shared library
@@ -92,6 +115,7 @@ def collect_env() -> dict:
         "os": platform.platform(),
         "python": platform.python_version(),
         "harness": __version__,
+        "harness_source": harness_provenance(),
         "gguf": _version("gguf"),
         "numpy": _version("numpy"),
         "llama": llama.version_info(),

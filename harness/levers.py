@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from .analysis import ceiling_beside, is_plain
+from .analysis import combined_ceiling, is_plain
 from .costs import (
     decode_n_bytes_per_token,
     kv_n_bytes_per_token,
@@ -13,6 +13,7 @@ from .costs import (
     mean_decode_context,
 )
 from .specs import ModelSpec
+from .stats import center
 
 KNEE_TOLERANCE = 0.02  # the knee: the fewest threads within 2% of the best
 KV_MEMORY_USERS = (1, 8, 32, 128)
@@ -25,7 +26,8 @@ def _groups(records: list[dict], key) -> list[list[dict]]:
 
 
 def _mean(summary: dict | None) -> float | None:
-    return summary["mean"] if summary and summary.get("n") else None
+    """The figure every lever compares: the median per-repetition value."""
+    return center(summary)
 
 
 def _spec(models: dict, m: dict) -> ModelSpec:
@@ -121,9 +123,10 @@ def _kv_row(m: dict, base: dict, models: dict) -> dict:
     if paired:  # the same decode at depth 0, timed beside each repetition
         measured, against = paired, "paired depth-0 baseline"
     elif not m.get("depth"):
-        measured, against = {"mean": 1.0, "n": 1}, "itself"
+        measured, against = {"median": 1.0, "mean": 1.0, "n": 1}, "itself"
     else:  # a run from before the paired baseline existed: another measurement at depth 0
-        measured = {"mean": ms / base_ms, "n": 1} if ms and base_ms else None
+        measured = ({"median": ms / base_ms, "mean": ms / base_ms, "n": 1}
+                    if ms and base_ms else None)
         against = f"the depth-{base.get('depth', 0)} measurement"
     return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "kv_type": kv,
             "depth": m.get("depth", 0), "n_gen": m["n_gen"], "tok_s": m["decode_tok_s"],
@@ -175,16 +178,25 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
     model, b = models[m["model_key"]], m.get("parallel", 1)
     spec = _spec(models, m)
     weight_n_bytes = model["decode_weight_n_bytes"]
-    bw = ceiling_beside(probes, m["seq"], m["threads"], "read_gb_s")["value"]
-    peak = ceiling_beside(probes, m["seq"], m["threads"], "matmul_gflop_s")["value"]
-    # One step multiplies every weight matrix by B vectors: 2 FLOPs per weight per sequence,
-    # plus each sequence's LM head row of logits.
-    flops_per_token = 2 * matmul_params_per_token(spec) + 2 * spec.hidden_size * spec.vocab_size
+    bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, m["seq"], m["threads"],
+                          "stream_gb_s")["value"]
+    peak = combined_ceiling(model.get("matmul_type_n_params"), probes, m["seq"], m["threads"],
+                            "compute_gflop_s")["value"]
+    # One step multiplies every weight matrix by B vectors (2 FLOPs per weight per sequence,
+    # plus each sequence's row of logits) and reads each sequence's own KV cache, attending
+    # over it (QK^T and AV: 4 x layers x q_dim FLOPs per cached position).
+    context = mean_decode_context(m["n_prompt"], m["n_gen"])
+    kv_n_bytes = kv_n_bytes_per_token(spec) * context
+    flops_per_token = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size * spec.vocab_size
+                       + 4 * spec.num_hidden_layers * spec.q_dim * context)
     bound = ridge = None
     if bw and peak:
-        step_s = max(weight_n_bytes / (bw * 1e9), b * flops_per_token / (peak * 1e9))
+        step_s = max((weight_n_bytes + b * kv_n_bytes) / (bw * 1e9),
+                     b * flops_per_token / (peak * 1e9))
         bound = b / step_s
-        ridge = weight_n_bytes * peak / (bw * flops_per_token)
+        # memory time = compute time: (W + B kv) / bw = B f / peak
+        denominator = flops_per_token / peak - kv_n_bytes / bw
+        ridge = weight_n_bytes / bw / denominator if denominator > 0 else None
     agg = _mean(m["decode_tok_s"])
     return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "parallel": b,
             "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")
@@ -192,7 +204,7 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
             "speedup": agg / _mean(base["decode_tok_s"]) if base else None,
             "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
             "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
-            "read_gb_s": bw, "matmul_gflop_s": peak, "flags": m["flags"]}
+            "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
 
 
 # --- threads -----------------------------------------------------------------------------
@@ -200,40 +212,41 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
 def thread_rows(measurements: list[dict], probes: list[dict], analysis: dict) -> list[dict]:
     """Speed-up with threads of each plain prefill and decode measured at two or more counts,
     and how close each came to its own ceiling (from the decode and prefill rows)."""
-    shares = {r["id"]: r.get("share_of_read") for r in analysis.get("decode", [])}
-    shares_prefill = {r["id"]: r.get("share_of_peak") for r in analysis.get("prefill", [])}
+    rows_by_id = {r["id"]: (r, r.get("share_of_stream"), r["stream_ceiling"])
+                  for r in analysis.get("decode", [])}
+    rows_by_id |= {r["id"]: (r, r.get("share_of_peak"), r["compute_peak"])
+                   for r in analysis.get("prefill", [])}
     rows = []
-    for phase, key, ceiling, share in (("prefill", "prefill_tok_s", "matmul_gflop_s",
-                                        shares_prefill),
-                                       ("decode", "decode_tok_s", "read_gb_s", shares)):
-        chosen = [m for m in measurements if is_plain(m) and m.get(key)
+    for phase, key in (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s")):
+        chosen = [m for m in measurements if is_plain(m) and m.get(key) and m["id"] in rows_by_id
                   and (m["n_gen"] == 0 if phase == "prefill" else m["n_gen"] > 0)]
         for group in _groups(chosen, lambda m: (m["model_key"], m["n_prompt"], m["n_gen"],
                                                 m["n_batch"], m["n_ubatch"], m["flash_attn"])):
             if len({m["threads"] for m in group}) >= 2:
-                rows += [r | {"share_of_ceiling": share.get(r["id"])}
-                         for r in _thread_group(phase, key, ceiling, group, probes)]
+                rows += _thread_group(phase, key, group, rows_by_id)
     return rows
 
 
-def _thread_group(phase: str, key: str, ceiling: str, group: list[dict],
-                  probes: list[dict]) -> list[dict]:
+def _thread_group(phase: str, key: str, group: list[dict], rows_by_id: dict) -> list[dict]:
     group.sort(key=lambda m: m["threads"])
     base = group[0]
     best = max(_mean(m[key]) for m in group)
     knee = next(m["threads"] for m in group if _mean(m[key]) >= (1 - KNEE_TOLERANCE) * best)
-    base_ceiling = ceiling_beside(probes, base["seq"], base["threads"], ceiling)["value"]
+    base_ceiling = rows_by_id[base["id"]][2]["value"]
     out = []
     for m in group:
         speedup = _mean(m[key]) / _mean(base[key])
-        c = ceiling_beside(probes, m["seq"], m["threads"], ceiling)["value"]
+        _, share, ceiling = rows_by_id[m["id"]]
+        c = ceiling["value"]
         out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
                     "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],
                     "tok_s": m[key], "speedup": speedup,
                     "efficiency": speedup * base["threads"] / m["threads"],
-                    "ceiling": ceiling, "ceiling_value": c,
+                    "ceiling": "compute_gflop_s" if phase == "prefill" else "stream_gb_s",
+                    "ceiling_value": c, "share_of_ceiling": share,
                     "ceiling_speedup": c / base_ceiling if c and base_ceiling else None,
-                    "knee": m["threads"] == knee, "knee_threads": knee, "flags": m["flags"]})
+                    "knee": m["threads"] == knee, "knee_threads": knee,
+                    "n_thread_counts": len(group), "flags": m["flags"]})
     return out
 
 

@@ -65,6 +65,7 @@ def measure(model, m: Measurement, info: dict, seed: int, gate: Callable[[str], 
                 check_abort()
                 reps.append(repetition())
             during = noise.other_cores(before, noise.snapshot())
+            setup["flash_attn_used"] = ctx.flash_attn_used
         except MeasurementError as exc:
             exc.step = f"{exc.step} in {m.id}" if exc.step != "run" else f"measure {m.id}"
             raise
@@ -102,7 +103,10 @@ def _single(ctx, m: Measurement, rng):
             ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
         prefill_s = ctx.prefill(prompt) if prompt else None
         decode_s = ctx.decode(gen) if gen else []
-        return out | {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
+        n_cached = m.depth + m.n_prompt + m.n_gen
+        _expect_cached(ctx, 0, n_cached, "after the repetition")
+        return out | {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf()),
+                      "n_cached": n_cached}
 
     return setup, repetition
 
@@ -171,53 +175,68 @@ WORKLOADS = {"single": _single, "batched": _batched, "prefix_cache": _prefix_cac
 def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict],
                 setup: dict, noise_reading: dict, started: str) -> dict:
     s = m.settings
-    prefill = [r["prefill_s"] for r in reps if r["prefill_s"] is not None]
-    decode_totals = [sum(r["decode_s"]) for r in reps if r["decode_s"]]
-    n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
     record = {
         "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
         "model_key": m.model.key, "dtype": m.model.dtype,
         "threads": s.threads, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch,
-        "flash_attn": s.flash_attn, "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
+        "flash_attn": s.flash_attn, "flash_attn_used": setup.get("flash_attn_used"),
+        "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,
         "shared_prefix": m.shared_prefix, "repetitions": s.repetitions, "warmup": s.warmup,
         "n_params": info["n_params"], "model_bytes": info["model_n_bytes"],
         "setup": setup,
-        "samples": {"prefill_s": prefill, "decode_s": [r["decode_s"] for r in reps],
-                    "perf": [r["perf"] for r in reps]},
+        "samples": {"prefill_s": [r["prefill_s"] for r in reps if r["prefill_s"] is not None],
+                    "decode_s": [r["decode_s"] for r in reps],
+                    "perf": [r["perf"] for r in reps],
+                    "n_cached": [r.get("n_cached") for r in reps]},
         "warmup_samples": {"prefill_s": [r["prefill_s"] for r in warmups],
                            "decode_s": [r["decode_s"] for r in warmups]},
-        "ttft_s": summarize(prefill) if prefill else None,
-        "prefill_tok_s": summarize(rates(n_prefill, prefill)) if prefill else None,
-        # Tokens served per second: every sequence's tokens (the aggregate when batched).
-        "decode_tok_s": (summarize(rates(m.parallel * m.n_gen, decode_totals))
-                         if decode_totals else None),
-        # Per step: the gap between two tokens of one sequence.
-        "decode_ms_per_token": (summarize([1000 * t / m.n_gen for t in decode_totals])
-                                if decode_totals else None),
         "noise": noise_reading, "started": started, "finished": now_iso(),
     }
-    if m.parallel > 1 and decode_totals:
-        record["per_sequence_tok_s"] = summarize(rates(m.n_gen, decode_totals))
-    if m.depth and decode_totals:
-        _paired(record, reps, warmups, decode_totals)
+    if m.depth:
+        record["samples"]["baseline_decode_s"] = [r["baseline_decode_s"] for r in reps]
+        record["warmup_samples"]["baseline_decode_s"] = [r["baseline_decode_s"]
+                                                         for r in warmups]
     if m.kind == "prefix_cache":
         record["samples"]["reuse_s"] = {k: [r["reuse_s"][k] for r in reps]
                                         for k in REUSE_METHODS}
         record["warmup_samples"]["reuse_s"] = {k: [r["reuse_s"][k] for r in warmups]
                                                for k in REUSE_METHODS}
-        record["ttft_reuse_s"] = {k: summarize(v) for k, v in record["samples"]["reuse_s"].items()}
+    return summarized(record)
+
+
+def summarized(record: dict) -> dict:
+    """The record with every summary recomputed from its raw samples (records of older
+    versions are brought to today's statistics the same way)."""
+    record = dict(record)
+    samples = record["samples"]
+    n_gen, parallel = record["n_gen"], record.get("parallel", 1)
+    prefill = samples["prefill_s"]
+    decode_totals = [sum(d) for d in samples["decode_s"] if d]
+    n_prefill = parallel * (record.get("shared_prefix", 0) + record["n_prompt"])
+    record |= {
+        "ttft_s": summarize(prefill) if prefill else None,
+        "prefill_tok_s": summarize(rates(n_prefill, prefill)) if prefill else None,
+        # Tokens served per second: every sequence's tokens (the aggregate when batched).
+        "decode_tok_s": (summarize(rates(parallel * n_gen, decode_totals))
+                         if decode_totals else None),
+        # Per step: the gap between two tokens of one sequence.
+        "decode_ms_per_token": (summarize([1000 * t / n_gen for t in decode_totals])
+                                if decode_totals else None),
+    }
+    if parallel > 1 and decode_totals:
+        record["per_sequence_tok_s"] = summarize(rates(n_gen, decode_totals))
+    if record.get("depth") and decode_totals and "baseline_decode_s" in samples:
+        _paired(record, decode_totals)
+    if "reuse_s" in samples:
+        record["ttft_reuse_s"] = {k: summarize(v) for k, v in samples["reuse_s"].items()}
     record["flags"] = flags(record)
     return record
 
 
-def _paired(record: dict, reps: list[dict], warmups: list[dict],
-            decode_totals: list[float]) -> None:
+def _paired(record: dict, decode_totals: list[float]) -> None:
     """The depth-0 baseline decoded beside each repetition, and the per-repetition slowdown."""
-    baseline = [r["baseline_decode_s"] for r in reps]
-    record["samples"]["baseline_decode_s"] = baseline
-    record["warmup_samples"]["baseline_decode_s"] = [r["baseline_decode_s"] for r in warmups]
-    totals = [sum(b) for b in baseline]
+    totals = [sum(b) for b in record["samples"]["baseline_decode_s"]]
     record["baseline_decode_tok_s"] = summarize(rates(record["n_gen"], totals))
     record["paired_slowdown"] = summarize([d / b for d, b in zip(decode_totals, totals,
                                                                   strict=True) if b > 0])

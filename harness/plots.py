@@ -10,6 +10,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .analysis import is_plain  # noqa: E402
+from .stats import center  # noqa: E402
+
+
+def ci_errors(summaries: list[dict]) -> list[list[float]]:
+    """Asymmetric error bars: the distance from each median to its 95% CI's ends."""
+    lows, highs = [], []
+    for s in summaries:
+        ci, mid = s.get("median_ci95"), center(s)
+        lows.append(mid - ci[0] if ci else 0.0)
+        highs.append(ci[1] - mid if ci else 0.0)
+    return [lows, highs]
 
 GIB = 2**30
 
@@ -37,10 +48,9 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [r["bytes_per_token"] / GIB for r in rows]
-    ys = [r["tok_s"]["mean"] for r in rows]
-    err = [((r["tok_s"]["ci95"][1] - r["tok_s"]["ci95"][0]) / 2) if r["tok_s"].get("ci95")
-           else 0 for r in rows]
-    ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=4, label="measured (95% CI)")
+    ys = [center(r["tok_s"]) for r in rows]
+    ax.errorbar(xs, ys, yerr=ci_errors([r["tok_s"] for r in rows]), fmt="o", capsize=4,
+                label="measured median (95% CI)")
     for r, x, y in zip(rows, xs, ys, strict=True):
         ax.annotate(f"{r['model']} {r['dtype']}", (x, y), textcoords="offset points",
                     xytext=(6, 6), fontsize=8)
@@ -50,11 +60,11 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
             b = f["fit"]["gb_s"]
             ax.plot(grid, [b / (x * GIB / 1e9) for x in grid],
                     label=f"fit: {b:.1f} GB/s ÷ bytes ({f['threads']} threads)")
-    ceilings = [r["read_ceiling"]["value"] for r in rows if r["read_ceiling"]["value"]]
+    ceilings = [r["stream_ceiling"]["value"] for r in rows if r["stream_ceiling"]["value"]]
     if ceilings:
         c = sum(ceilings) / len(ceilings)
         ax.plot(grid, [c / (x * GIB / 1e9) for x in grid], "--",
-                label=f"measured read ceiling: {c:.1f} GB/s ÷ bytes")
+                label=f"ggml streaming ceiling: {c:.1f} GB/s ÷ bytes")
     ax.set_xlabel("bytes read per decode step (GiB)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("Decode speed against bytes read per token")
@@ -74,8 +84,8 @@ def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
                        key=lambda m: m["n_prompt"])
         n = [m["n_prompt"] for m in group]
         label = f"{key[0]} {key[1]} ({key[2]} threads)"
-        a1.plot(n, [m["ttft_s"]["mean"] for m in group], "o-", label=label)
-        a2.plot(n, [m["prefill_tok_s"]["mean"] for m in group], "o-", label=label)
+        a1.plot(n, [center(m["ttft_s"]) for m in group], "o-", label=label)
+        a2.plot(n, [center(m["prefill_tok_s"]) for m in group], "o-", label=label)
     log2_pair(a1, a2, "prompt tokens", "prefill time (s)", "prefill tokens/s")
     a2.legend(fontsize=8)
     fig.suptitle("Prefill against prompt length")

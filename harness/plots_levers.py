@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _save, finish, log2_pair, plt
+from .plots import _save, ci_errors, finish, log2_pair, plt
+from .stats import center
 
 
 def _groups(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -44,8 +45,8 @@ def kv_depth(analysis: dict, out_dir: Path) -> str | None:
     for key, group in _groups(rows, "model", "dtype", "kv_type", "threads").items():
         group = sorted(group, key=lambda r: r["depth"])
         depths = [r["depth"] for r in group]
-        err = [_half_ci(r["measured_slowdown"]) for r in group]
-        line = ax.errorbar(depths, [r["measured_slowdown"]["mean"] for r in group], yerr=err,
+        err = ci_errors([r["measured_slowdown"] for r in group])
+        line = ax.errorbar(depths, [center(r["measured_slowdown"]) for r in group], yerr=err,
                            fmt="o-", capsize=4, label=f"{key[0]} {key[1]}, KV {key[2]}: "
                            "measured (95% CI)")[0]
         ax.plot(depths, [r["predicted_slowdown"] for r in group], "--", color=line.get_color(),
@@ -53,11 +54,6 @@ def kv_depth(analysis: dict, out_dir: Path) -> str | None:
     ax.axhline(1, color="0.7", lw=0.8)
     return finish(ax, fig, out_dir, "kv_depth", "context depth (tokens already in the KV cache)",
                   "decode slowdown against depth 0 (×)", "Decode at context depth")
-
-
-def _half_ci(summary: dict) -> float:
-    ci = summary.get("ci95")
-    return (ci[1] - ci[0]) / 2 if ci else 0.0
 
 
 def batching(analysis: dict, out_dir: Path) -> str | None:
@@ -69,11 +65,11 @@ def batching(analysis: dict, out_dir: Path) -> str | None:
         group = sorted(group, key=lambda r: r["parallel"])
         b = [r["parallel"] for r in group]
         label = f"{key[0]} {key[1]} ({key[2]} threads)"
-        line, = a1.plot(b, [r["tok_s"]["mean"] for r in group], "o-", label=f"{label}: measured")
+        line, = a1.plot(b, [center(r["tok_s"]) for r in group], "o-", label=f"{label}: measured")
         if all(r["bound_tok_s"] for r in group):
             a1.plot(b, [r["bound_tok_s"] for r in group], "--", color=line.get_color(),
                     label="roofline bound from the measured ceilings")
-        a2.plot(b, [r["per_sequence_tok_s"]["mean"] for r in group], "o-", label=label)
+        a2.plot(b, [center(r["per_sequence_tok_s"]) for r in group], "o-", label=label)
     log2_pair(a1, a2, "sequences decoded together", "aggregate tokens/s",
               "tokens/s each sequence sees")
     a1.legend(fontsize=8)
@@ -112,7 +108,7 @@ def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
     height = 0.8 / len(methods)
     for j, (key, label) in enumerate(methods):
         ys = [i + j * height for i in range(len(rows))]
-        values = [r[key]["mean"] for r in rows]
+        values = [center(r[key]) for r in rows]
         ax.barh(ys, values, height, label=label)
         for y, v in zip(ys, values, strict=True):
             ax.annotate(f"{v:.2f} s", (v, y), textcoords="offset points", xytext=(4, -3),

@@ -7,9 +7,8 @@ import io
 import json
 from dataclasses import dataclass, field
 
-from .analysis import is_plain
 from .noise import NOISY_CORES
-from .stats import UNSTABLE_CV
+from .stats import UNSTABLE_CV, center, inverse
 
 GIB = 2**30
 PLOTS = {
@@ -46,8 +45,15 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
 
+FLAG_WORDS = {
+    "noisy": "other processes used the CPU during the measurement",
+    "perf-mismatch": "llama.cpp's own timers differ from the wall clock by more than 5%",
+    "above-ceiling": "faster than the ceiling measured beside it",
+}
+
+
 def _notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) -> str:
-    """Each flag with its reason, for the notes column (only the phases the table shows)."""
+    """Each flag with its reason in words, for the notes column (only the phases shown)."""
     out = []
     for flag in record.get("flags", []):
         if flag.startswith("unstable-"):
@@ -55,123 +61,177 @@ def _notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) ->
             if phase not in phases:
                 continue
             cv = (record.get(f"{phase}_tok_s") or {}).get("cv") or 0
-            out.append(f"⚠ {phase} unstable (CV {cv:.1%} > {UNSTABLE_CV:.0%})")
+            out.append(f"⚠ {phase} unsteady: repetitions varied by {cv:.1%} (CV), more than "
+                       f"{UNSTABLE_CV:.0%}")
         elif flag == "noisy":
             n = record["noise"]
             worst = max(n["idle_other_cores"], n.get("during_other_cores") or 0)
-            out.append(f"⚠ noisy (other processes used {worst:.2f} cores > {NOISY_CORES})")
-        elif flag == "perf-mismatch":
-            out.append("⚠ llama.cpp's counters differ from the wall clock by > 5%")
+            out.append(f"⚠ noisy: other processes used {worst:.2f} cores (> {NOISY_CORES})")
         else:
-            out.append(f"⚠ {flag}")
+            out.append(f"⚠ {flag}: {FLAG_WORDS.get(flag, flag)}")
     return "; ".join(out)
 
 
+ABOVE_CEILING_NOTE = (
+    "A share above 100% is flagged above-ceiling when it exceeds the ceiling's own spread: the "
+    "model ran faster than ggml's kernel did on the probe matrix, either because llama.cpp's "
+    "own kernels for these shapes are faster than the probe's, or because caches held part of "
+    "the weights. The ceiling is what was measured, not a physical bound.")
+
+
 def prefill_table(measurements: list[dict], analysis: dict) -> Table:
-    gflop = {r["id"]: r for r in analysis["prefill"]}
-    rows = [{"model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
-             "n_prompt": m["n_prompt"], "seconds": m["ttft_s"], "tok_s": m["prefill_tok_s"],
-             "gflop_s": gflop.get(m["id"], {}).get("gflop_s"),
-             "share": gflop.get(m["id"], {}).get("share_of_peak"),
-             "n": m["repetitions"], "notes": _notes_for(m)}
-            for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s") and is_plain(m)]
+    rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
+             "n_prompt": r["n_prompt"], "seconds": r["seconds"], "tok_s": r["tok_s"],
+             "gflop_s": r["gflop_s"], "peak": r["compute_peak"]["value"],
+             "share": r["share_of_peak"], "n": r["tok_s"]["n"],
+             "notes": _notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
+            for r in analysis["prefill"] if r["n_gen"] == 0]
+    notes = ["Prefill time runs from the first prompt token to the logits of the last; tok/s "
+             "is the median over the repetitions with its 95% confidence interval in brackets; "
+             "time = prompt tokens ÷ that rate. GFLOP/s counts 2 × matmul parameters per token "
+             "plus causal attention (Kaplan et al. 2020). The compute peak is ggml's own "
+             "matrix-matrix kernel (weights × a 512-column activation) for each of the model's "
+             "matrix types, combined by their share of the FLOPs."]
+    if any("above-ceiling" in r["notes"] for r in rows):
+        notes.append(ABOVE_CEILING_NOTE)
     return Table("prefill", "Prefill: time to first token", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
-        Column("prompt tokens", "n_prompt", "int"), Column("prefill time (s)", "seconds", "stat3"),
+        Column("prompt tokens", "n_prompt", "int"), Column("prefill time (s)", "seconds", "f3"),
         Column("tok/s", "tok_s", "stat"), Column("GFLOP/s", "gflop_s", "f1"),
-        Column("share of matmul peak", "share", "pct"), Column("n", "n", "int"),
-        Column("notes", "notes")], rows,
-        ["Prefill time runs from the first prompt token to the logits of the last; "
-         "tok/s = prompt tokens ÷ that time. GFLOP/s counts 2 × matmul parameters per token "
-         "plus causal attention (Kaplan et al. 2020)."])
+        Column("compute peak GFLOP/s", "peak", "f1"),
+        Column("share of peak", "share", "pct"), Column("n", "n", "int"),
+        Column("notes", "notes")], rows, notes)
 
 
 def decode_table(measurements: list[dict], analysis: dict) -> Table:
     rows = []
-    by_id = {m["id"]: m for m in measurements}
     for r in analysis["decode"]:
-        m = by_id[r["id"]]
         rows.append({"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
                      "size": r["file_bytes_per_token"], "bytes": r["bytes_per_token"],
                      "test": f"{r['n_gen']} after {r['n_prompt']}", "tok_s": r["tok_s"],
-                     "ms": r["ms_per_token"], "gb_s": r["effective_gb_s"],
-                     "ceiling": r["read_ceiling"]["value"], "share": r["share_of_read"],
-                     "n": m["repetitions"], "notes": _notes_for(m, ("decode",))})
+                     "ms": inverse(r["tok_s"]), "gb_s": r["effective_gb_s"],
+                     "stream": r["stream_ceiling"]["value"], "share": r["share_of_stream"],
+                     "read": r["read_ceiling"]["value"], "share_read": r["share_of_read"],
+                     "n": r["tok_s"]["n"],
+                     "notes": _notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
     rows.sort(key=lambda x: (x["threads"], x["bytes"]))
+    notes = ["size is every tensor's bytes (the file-size convention, llama-bench's "
+             "model_size), in GiB (2³⁰ bytes); read per token is what one decode step reads, in "
+             "GB (10⁹ bytes): every weight, the token embedding as one row unless tied to the "
+             "output, plus the KV cache at the mean context.",
+             "tok/s is the median over the repetitions with its 95% confidence interval in "
+             "brackets; ms/token = 1000 ÷ that rate. effective GB/s = tok/s × read per token.",
+             "Streaming ceiling: ggml's own matrix-vector kernel over a matrix far larger than "
+             "the cache, for each of the model's tensor types, combined by their bytes (total "
+             "bytes ÷ Σ bytes of a type ÷ that type's GB/s), probed right beside the "
+             "measurement. numpy read: the plain memory read of the machine (STREAM "
+             "conventions), shown for comparison."]
+    notes += _missing_ceiling_notes(analysis["decode"])
+    if any("above-ceiling" in r["notes"] for r in rows):
+        notes.append(ABOVE_CEILING_NOTE)
     return Table("decode", "Decode against model size", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
-        Column("size (GiB)", "size", "gib"), Column("read per token (GiB)", "bytes", "gib"),
+        Column("size (GiB)", "size", "gib"), Column("read per token (GB)", "bytes", "gb"),
         Column("tokens", "test"), Column("tok/s", "tok_s", "stat"),
-        Column("ms/token", "ms", "stat"), Column("effective GB/s", "gb_s", "f1"),
-        Column("read ceiling GB/s", "ceiling", "f1"), Column("share of ceiling", "share", "pct"),
-        Column("n", "n", "int"), Column("notes", "notes")], rows,
-        ["size is every tensor's bytes (the file-size convention, llama-bench's model_size); "
-         "read per token is what one decode step reads: every weight, the token embedding as "
-         "one row unless tied to the output, plus the KV cache at the mean context.",
-         "effective GB/s = tok/s × read per token; the read ceiling is the probe measured "
-         "beside the run (mean of before and after)."])
+        Column("ms/token", "ms", "stat1"), Column("effective GB/s", "gb_s", "f1"),
+        Column("streaming ceiling GB/s", "stream", "f1"), Column("share", "share", "pct"),
+        Column("numpy read GB/s", "read", "f1"), Column("share of read", "share_read", "pct"),
+        Column("n", "n", "int"), Column("notes", "notes")], rows, notes)
+
+
+def _missing_ceiling_notes(rows: list[dict]) -> list[str]:
+    reasons = sorted({r["stream_ceiling"].get("reason") for r in rows
+                      if not r["stream_ceiling"]["value"]} - {None})
+    return [f"Streaming ceiling missing ({reason}): shares against it are n/a."
+            for reason in reasons]
+
+
+CEILING_NAMES = {"read_gb_s": "numpy read GB/s", "copy_gb_s": "numpy copy GB/s",
+                 "matmul_gflop_s": "numpy SGEMM GFLOP/s", "stream_gb_s": "streaming GB/s",
+                 "compute_gflop_s": "compute GFLOP/s"}
 
 
 def ceilings_table(analysis: dict) -> Table:
-    names = {"read_gb_s": "read GB/s", "copy_gb_s": "copy GB/s",
-             "matmul_gflop_s": "F32 matmul GFLOP/s"}
-    rows = [{"threads": c["threads"], "what": names[c["what"]], "before": c["before"],
-             "after": c["after"], "drift": c["drift"]} for c in analysis["ceilings"]]
+    rows = []
+    for c in analysis["ceilings"]:
+        path = c["what"]
+        name = CEILING_NAMES[path[-1]]
+        if path[0] == "ggml":
+            name = f"ggml {path[1].upper()} {name}"
+        rows.append({"threads": c["threads"], "what": name, "layout": c.get("layout") or "",
+                     "before": c["before"], "after": c["after"], "drift": c["drift"],
+                     "beside": (f"{c['beside_min']:.1f}–{c['beside_max']:.1f} "
+                                f"({c['n_beside']})" if c.get("n_beside") else "")})
     notes = ["Memory: STREAM conventions (arrays ≥ 4× the last-level cache, a warm pass, best "
-             "of several; copy counts bytes read + written). Compute: numpy/OpenBLAS SGEMM."]
-    notes += [f"Probe failed: {e}; those ceilings are missing." for e in analysis["probe_errors"]]
+             "of several; copy counts bytes read + written). ggml: llama.cpp's own kernels on a "
+             "matrix of each weight type, with its weights where llama.cpp puts them at load "
+             "(CPU_REPACK: the repacked layout llama.cpp uses for some quantized types on this "
+             "CPU; CPU: the plain layout). Streaming = one matrix-vector product over a matrix "
+             "far larger than the cache (GB/s of weight bytes); compute = the same kind of "
+             "matrix times a 512-column activation. Beside: the range of the short probes "
+             "taken right before each measurement (how many in brackets)."]
+    notes += [f"Probe failed: {e}; that ceiling is missing." for e in analysis["probe_errors"]]
     return Table("ceilings", "Measured ceilings of this machine", [
         Column("threads", "threads", "int"), Column("ceiling", "what"),
-        Column("before the run", "before", "f1"), Column("after the run", "after", "f1"),
-        Column("change", "drift", "spct")], rows, notes)
+        Column("layout", "layout"), Column("before the run", "before", "f1"),
+        Column("after the run", "after", "f1"), Column("change", "drift", "spct"),
+        Column("beside the measurements", "beside")], rows, notes)
 
 
 def workloads_table(analysis: dict) -> Table:
-    rows = [dict(w) for w in analysis["workloads"]]
-    notes = []
-    froms = {(w["model"], w["prefill_rate_from"]) for w in rows}
-    if froms:
-        notes.append("Prefill rates come from the nearest measured prompt length ("
-                     + ", ".join(f"{m}: {n} tokens" for m, n in sorted(froms))
-                     + "); longer prompts run slower per token as attention grows, so long-"
-                     "prompt prefill times here are optimistic.")
+    rows = [dict(w) | {"note": "; ".join(w.get("extrapolated") or [])}
+            for w in analysis["workloads"]]
+    notes = ["Prefill time = prompt tokens ÷ the prefill rate measured at the nearest prompt "
+             "length; decode time = generated tokens ÷ the decode rate measured at the nearest "
+             "context depth, both on the same model, weight type and thread count."]
+    if any(r["note"] for r in rows):
+        notes.append("Rows with a note are estimated beyond the measured range: longer prompts "
+                     "prefill slower per token as attention grows, and decode slows as the "
+                     "cache fills, so those times are optimistic.")
     return Table("workloads", "Where the time goes in typical requests", [
-        Column("model", "model"), Column("dtype", "dtype"), Column("workload", "workload"),
-        Column("prompt", "n_prompt", "int"), Column("generated", "n_gen", "int"),
-        Column("prefill s", "prefill_s", "f2"), Column("decode s", "decode_s", "f2"),
-        Column("prefill share", "prefill_share", "pct")], rows, notes)
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("workload", "workload"), Column("prompt", "n_prompt", "int"),
+        Column("generated", "n_gen", "int"), Column("prefill s", "prefill_s", "f2"),
+        Column("decode s", "decode_s", "f2"), Column("prefill share", "prefill_share", "pct"),
+        Column("note", "note")], rows, notes)
 
 
-def predictions_tables(analysis: dict) -> list[Table]:
+def estimates_table(analysis: dict) -> list[Table]:
+    """One table of estimates: every spec on this machine and on reference hardware."""
     p = analysis["predictions"]
     if not p.get("this_machine"):
         return []
     models = sorted({r["model"] for r in p["this_machine"]})
-    this = {}
+    cells: dict[str, dict] = {}
     for r in p["this_machine"]:
-        this.setdefault(r["model"], {"model": r["model"]})[r["dtype"]] = r["tok_s"]
-    dtypes = list(dict.fromkeys(r["dtype"] for r in p["this_machine"]))
-    t1 = Table("predictions", f"Estimates: decode tok/s of every spec on this machine "
-               f"({p['gb_s']:.1f} GB/s)", [Column("model", "model")] +
-               [Column(f"{d.upper()}{'*' if d.startswith('q') else ''}", d, "f2")
-                for d in dtypes], [this[m] for m in models],
-               ["Estimates, not measurements: the fitted (or measured effective) bandwidth "
-                "÷ bytes per decode step at context 0. * quantized sizes are nominal."])
-    ref: dict[str, dict] = {}
+        row = cells.setdefault(f"this machine {r['dtype']}", {
+            "hardware": "this machine (measured fit)", "dtype": r["dtype"].upper(),
+            "bw": f"{p['gb_s']:.1f}"})
+        row[r["model"]] = f"{r['tok_s']:.1f}" + ("" if r["bytes_from"] == "file" else "*")
     for r in p["reference"]:
-        if r["dtype"] == "q4_0":
-            row = ref.setdefault(r["hardware"], {"hardware": r["hardware"],
-                                                 "bw": r["bandwidth_gb_s"]})
-            row[r["model"]] = r["tok_s"]
-    eff = p["efficiency"]
-    t2 = Table("reference", "Estimates: Q4_0 decode tok/s on reference hardware",
-               [Column("hardware", "hardware"), Column("spec GB/s", "bw", "f1")] +
-               [Column(m, m, "f1") for m in models], list(ref.values()),
-               [f"Estimates, not measurements: spec-sheet bandwidth × {eff:.0%} (the share of "
-                "its measured read ceiling this machine's decode reached) ÷ nominal Q4_0 bytes "
-                "per token." if eff else "Estimates, not measurements: spec-sheet bandwidth "
-                "÷ nominal Q4_0 bytes per token (no ceiling was measured here)."])
-    return [t1, t2]
+        if r["dtype"] != "q4_0":
+            continue
+        row = cells.setdefault(r["hardware"], {"hardware": r["hardware"], "dtype": "Q4_0",
+                                               "bw": f"{r['bandwidth_gb_s']:.0f} (spec)"})
+        row[r["model"]] = (f"{r['tok_s_low']:.0f}–{r['tok_s_high']:.0f}"
+                           + ("" if r["bytes_from"] == "file" else "*"))
+    bands = {k: v for k, v in p["bands"].items()}
+    notes = [f"Estimates, not measurements: decode tok/s = bandwidth ÷ bytes per decode step "
+             f"at context 0. This machine: {p['gb_s']:.1f} GB/s from {p['gb_s_from']}. "
+             "Reference hardware: spec-sheet bandwidth × the fraction decode reaches on that "
+             "class of hardware, shown as a range.",
+             "* nominal bytes: every matrix at the base type's bits per weight; llama.cpp's "
+             "recipes keep some tensors at other types, so real files are larger (a run that "
+             "built the file uses its tensor table: no star)."]
+    notes += [f"{k.upper() if k != 'apple' else 'Apple'} band {lo:.0%}–{hi:.0%}: {src}."
+              for k, (lo, hi, src) in bands.items()]
+    if p.get("share_of_read") is not None:
+        notes.append(f"This run's decode reached a median {p['share_of_read']:.0%} of the "
+                     "numpy read bandwidth measured beside it.")
+    return [Table("estimates", "Estimates: decode tok/s of every model, here and elsewhere",
+                  [Column("hardware", "hardware"), Column("weights", "dtype"),
+                   Column("GB/s", "bw")] + [Column(m, m) for m in models],
+                  list(cells.values()), notes)]
 
 
 def missing(records) -> list[str]:
@@ -184,7 +244,7 @@ def report_data(records, analysis: dict) -> dict:
     header = records.header or {}
     tables = [prefill_table(records.measurements, analysis),
               decode_table(records.measurements, analysis), ceilings_table(analysis)]
-    tables += predictions_tables(analysis) + [workloads_table(analysis)]
+    tables += [workloads_table(analysis)] + estimates_table(analysis)
     from .report_levers import lever_tables
 
     tables += lever_tables(analysis)
@@ -202,6 +262,7 @@ _FORMATS = {
     "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",
     "pct": lambda v: f"{v:.0%}", "spct": lambda v: f"{v:+.1%}", "x": lambda v: f"{v:.2f}×",
     "gib": lambda v: f"{v / GIB:.2f}", "gib3": lambda v: f"{v / GIB:.3f}",
+    "gb": lambda v: f"{v / 1e9:.2f}",
     "mib": lambda v: f"{v / 2**20:,.1f}", "kib": lambda v: f"{v / 2**10:,.1f}",
 }
 
@@ -211,9 +272,9 @@ def _cell(value, kind: str) -> str:
         return "–" if kind != "str" else ""
     if kind.startswith("stat"):
         digits = int(kind[4:] or 2)
-        ci = value.get("ci95")
-        half = f" ± {(ci[1] - ci[0]) / 2:.{digits}f}" if ci else ""
-        return f"{value['mean']:.{digits}f}{half}"
+        ci = value.get("median_ci95")
+        interval = f" ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})" if ci else ""
+        return f"{center(value):.{digits}f}{interval}"
     if kind in _FORMATS:
         return _FORMATS[kind](value)
     return str(value).replace("|", "\\|")
@@ -241,8 +302,16 @@ def _env_lines(env: dict) -> list[str]:
         f"llama-cpp-python {llama.get('llama_cpp_python')} |",
         f"| llama.cpp system info | `{llama.get('system_info')}` |",
         f"| Python, gguf, numpy | {env.get('python')}, {env.get('gguf')}, {env.get('numpy')} |",
-        f"| harness | {env.get('harness')} |",
+        f"| harness | {_harness_line(env)} |",
     ]
+
+
+def _harness_line(env: dict) -> str:
+    src = env.get("harness_source") or {}
+    if not src.get("commit"):
+        return str(env.get("harness"))
+    dirty = " with uncommitted changes" if src.get("dirty") else ""
+    return f"{env.get('harness')}, commit {src['commit'][:12]}{dirty}"
 
 
 METHOD = (
@@ -252,9 +321,12 @@ METHOD = (
     "no sampling. Prefill is timed from the first prompt token to the last token's logits; "
     "decode times every single-token step, each synchronized. The KV cache is cleared before "
     "every repetition; warm-up repetitions do the full work and are kept out of the statistics. "
-    "Numbers are means with the half-width of their 95% confidence interval (Student t) over "
-    "the repetitions (n). Memory bandwidth and matmul ceilings are probed right before and "
-    "after the measurements.")
+    "Numbers are medians over the repetitions (n), with a distribution-free 95% confidence "
+    "interval of the median in brackets (order statistics; under 6 repetitions it is the "
+    "min–max range, which covers the median with 1 − 2¹⁻ⁿ probability); means stay in the "
+    "results file. The ceilings are measured by the run itself: every figure before and after "
+    "the measurements, and right before each measurement the ones it needs (its thread count, "
+    "its model's tensor types), with llama.cpp's own ggml kernels.")
 
 
 def render_markdown(data: dict, plots: list[str] | None = None) -> str:
@@ -285,7 +357,7 @@ def render_markdown(data: dict, plots: list[str] | None = None) -> str:
             rest = []
             out += ["## Levers", ""]
         out += [_markdown_table(t), ""]
-        if t.name == "decode":
+        if t.name == "decode" and data["fits"]:
             out += _fit_lines(data["fits"])
         if t.name in placed:
             out += _plot_line(placed[t.name])
@@ -307,17 +379,16 @@ def _fit_lines(fits: list[dict]) -> list[str]:
     out = ["### The rule of thumb: decode tok/s ≈ bandwidth ÷ bytes per token", ""]
     for f in fits:
         fit = f["fit"]
-        if fit:
-            r2 = f"{fit['r2']:.3f}" if fit["r2"] is not None else "n/a"
-            out.append(f"- {f['threads']} threads: least-squares fit through the origin over "
-                       f"{fit['n_points']} measurements: **{fit['gb_s']:.1f} GB/s** (R² = {r2}).")
+        r2 = f"{fit['r2']:.3f}" if fit["r2"] is not None else "n/a"
+        threads = f"{f['threads']} thread{'s' if f['threads'] != 1 else ''}"
+        out.append(f"- {threads}: least-squares fit through the origin over "
+                   f"{fit['n_points']} measurements: **{fit['gb_s']:.1f} GB/s** (R² = {r2}).")
         out.append(f"  Verdict: **{f['verdict']}**.")
-        out += [f"  Note: {n}." for n in f.get("notes", [])]
     return out + [""]
 
 
 def render_csv(data: dict) -> str:
-    """Every table in one CSV, a `table` column first; statistics as mean, CI low, CI high."""
+    """Every table in one CSV, a `table` column first; statistics as median, CI low, CI high."""
     buf = io.StringIO()
     writer = csv.writer(buf)
     for t in data["tables"]:
@@ -331,8 +402,8 @@ def render_csv(data: dict) -> str:
             for c in t.columns:
                 v = r.get(c.key)
                 if c.kind.startswith("stat"):
-                    ci = (v or {}).get("ci95") or [None, None]
-                    row += [(v or {}).get("mean"), ci[0], ci[1], (v or {}).get("n")]
+                    ci = (v or {}).get("median_ci95") or [None, None]
+                    row += [center(v), ci[0], ci[1], (v or {}).get("n")]
                 else:
                     row.append(v)
             writer.writerow(row)

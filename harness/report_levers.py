@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .report import Column, Table, _notes_for
+from .stats import center
 
 GIB = 2**30
 
@@ -69,7 +70,7 @@ def _drift_notes(rows: list[dict]) -> list[str]:
     """At depth 0 the cache holds next to nothing, so KV types differing there is drift."""
     out = []
     for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
-        zero = {r["kv_type"]: r["tok_s"]["mean"] for r in rows if r["depth"] == 0
+        zero = {r["kv_type"]: center(r["tok_s"]) for r in rows if r["depth"] == 0
                 and (r["model"], r["dtype"], r["threads"]) == key}
         if len(zero) >= 2:
             spread = max(zero.values()) / min(zero.values()) - 1
@@ -139,22 +140,40 @@ def batching_notes(rows: list[dict]) -> list[str]:
            "aggregate tok/s counts all of them, per-sequence tok/s is what each user sees. The "
            "weights are read once per step, so the bytes per token served fall as 1/B."]
     for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
-        group = [r for r in rows if (r["model"], r["dtype"], r["threads"]) == key]
-        ridge = next((r["ridge_parallel"] for r in group if r["ridge_parallel"]), None)
-        best = max(group, key=lambda r: r["tok_s"]["mean"])
-        text = (f"{key[0]} {key[1]}, {_threads(key[2])}: the best aggregate was "
-                f"{best['tok_s']['mean']:.1f} tok/s at {best['parallel']} sequences")
-        if ridge:
-            r = next(r for r in group if r["ridge_parallel"])
-            text += (f". A step costs at least max(weight bytes ÷ {r['read_gb_s']:.1f} GB/s, "
-                     f"B × FLOPs per token ÷ {r['matmul_gflop_s']:.0f} GFLOP/s), the read "
-                     f"ceiling and matmul peak measured here; they meet at B ≈ {ridge:.1f}. "
-                     "Below that, extra sequences ride on weights already being read; above "
-                     "it, each costs its own compute and the gain stops. Measured: "
-                     + ", ".join(f"{x['share_of_bound']:.0%} of the bound at B = {x['parallel']}"
-                                 for x in group if x["share_of_bound"]))
-        out.append(text + ".")
+        group = sorted((r for r in rows if (r["model"], r["dtype"], r["threads"]) == key),
+                       key=lambda r: r["parallel"])
+        out.append(_batching_note(key, group))
     return out
+
+
+def _batching_note(key: tuple, group: list[dict]) -> str:
+    """The measured gain, and where the roofline puts the end of it, said only as far as the
+    run measured."""
+    best = max(group, key=lambda r: center(r["tok_s"]))
+    top = group[-1]["parallel"]
+    text = (f"{key[0]} {key[1]}, {_threads(key[2])}: the best aggregate was "
+            f"{center(best['tok_s']):.1f} tok/s at {best['parallel']} sequences")
+    if len(group) >= 2:
+        last, prev = group[-1], group[-2]
+        gain = center(last["tok_s"]) / center(prev["tok_s"]) - 1
+        text += (f"; from {prev['parallel']} to {last['parallel']} sequences the aggregate "
+                 f"{'still grew' if gain > 0 else 'changed'} by {gain:+.0%}")
+    r = next((r for r in group if r["ridge_parallel"]), None)
+    if r:
+        ridge = r["ridge_parallel"]
+        text += (f". A step costs at least max((weights + B × KV) ÷ {r['stream_gb_s']:.1f} "
+                 f"GB/s, B × FLOPs per token ÷ {r['compute_gflop_s']:.0f} GFLOP/s), with the "
+                 "streaming and compute ceilings of ggml's own kernels for this model's types; "
+                 f"the two meet at B ≈ {ridge:.1f}")
+        text += (", inside the measured range: beyond it each extra sequence costs its own "
+                 "compute" if ridge <= top else
+                 f", beyond the largest batch measured ({top}): where the gain really ends "
+                 "was not measured (estimated)")
+        shares = [f"{x['share_of_bound']:.0%} at B = {x['parallel']}" for x in group
+                  if x["share_of_bound"]]
+        if shares:
+            text += ". Measured against that bound: " + ", ".join(shares)
+    return text + "."
 
 
 def _threads(n: int) -> str:
@@ -165,7 +184,7 @@ def threads_table(analysis: dict) -> list[Table]:
     rows = analysis.get("threads") or []
     if not rows:
         return []
-    names = {"matmul_gflop_s": "matmul peak", "read_gb_s": "read bandwidth"}
+    names = {"compute_gflop_s": "ggml compute peak", "stream_gb_s": "ggml streaming"}
     table_rows = [r | {"test": (f"pp{r['n_prompt']}" if r["phase"] == "prefill"
                                 else f"tg{r['n_gen']}"), "ceiling_name": names[r["ceiling"]],
                        "knee_mark": "◀ knee" if r["knee"] else ""} for r in rows]
@@ -173,13 +192,13 @@ def threads_table(analysis: dict) -> list[Table]:
                      max(x["threads"] for x in rows if x["phase"] == r["phase"]
                          and x["model"] == r["model"] and x["dtype"] == r["dtype"]))
                     for r in rows})
-    notes = [f"{phase}, {model} {dtype}: knee at {knee} of {top} threads (the fewest within "
-             f"2% of the best)." for phase, model, dtype, knee, top in knees]
-    notes.append("Prefill is matrix-matrix work: it scales with cores as the matmul peak "
-                 "does. Decode reads every weight per token: it scales only until it reaches "
-                 "the read bandwidth of its thread count (share of ceiling: effective GB/s ÷ "
-                 "read ceiling for decode, achieved GFLOP/s ÷ matmul peak for prefill); from "
-                 "there more threads add compute that waits on memory.")
+    notes = [_knee_note(phase, model, dtype, knee, top) for phase, model, dtype, knee, top
+             in knees]
+    notes.append("Prefill is matrix-matrix work: it scales with cores as the compute peak "
+                 "does. Decode reads every weight per token: it scales until it reaches "
+                 "the streaming bandwidth of its thread count (share of ceiling: effective GB/s "
+                 "÷ ggml's streaming ceiling for decode, achieved GFLOP/s ÷ ggml's compute "
+                 "peak for prefill, each over the model's tensor types).")
     notes += _ceiling_notes(rows)
     return [Table("threads", "Threads: how prefill and decode scale", [
         Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
@@ -191,6 +210,15 @@ def threads_table(analysis: dict) -> list[Table]:
         table_rows, notes)]
 
 
+def _knee_note(phase: str, model: str, dtype: str, knee: int, top: int) -> str:
+    """The knee, said only where the measured thread counts can show one."""
+    if knee == top:
+        return (f"{phase}, {model} {dtype}: still gaining at {_threads(top)}, the most "
+                "measured; this run cannot show where the gain ends.")
+    return (f"{phase}, {model} {dtype}: knee at {_threads(knee)} of {top} (the fewest within "
+            "2% of the best).")
+
+
 def _ceiling_notes(rows: list[dict]) -> list[str]:
     """Where each phase stood against its ceiling at the fewest and the most threads."""
     out = []
@@ -200,11 +228,14 @@ def _ceiling_notes(rows: list[dict]) -> list[str]:
             continue
         lo = min(group, key=lambda r: r["threads"])
         hi = max(group, key=lambda r: r["threads"])
-        out.append(f"Measured here: {phase} reached {lo['share_of_ceiling']:.0%} of its ceiling "
-                   f"at {_threads(lo['threads'])} and {hi['share_of_ceiling']:.0%} at "
-                   f"{_threads(hi['threads'])}"
-                   + (": at the memory ceiling, where more threads cannot make decode faster."
-                      if phase == "decode" and hi["share_of_ceiling"] >= 0.9 else "."))
+        speedup = center(hi["tok_s"]) / center(lo["tok_s"])
+        text = (f"Measured here: {phase} reached {lo['share_of_ceiling']:.0%} of its ceiling "
+                f"at {_threads(lo['threads'])} and {hi['share_of_ceiling']:.0%} at "
+                f"{_threads(hi['threads'])}, a {speedup:.2f}× speed-up")
+        if phase == "decode" and hi["share_of_ceiling"] >= 0.9:
+            text += (f"; at {_threads(hi['threads'])} it ran at its streaming ceiling, so "
+                     "more threads would add compute that waits on memory")
+        out.append(text + ".")
     return out
 
 

@@ -53,11 +53,25 @@ def read_records(path: Path) -> Records:
         if not _well_formed(record):
             raise HarnessError("corrupt results line", source=str(path), line=number,
                                fix="restore the file or start a new run")
+        if record["type"] == "measurement" and isinstance(record.get("samples"), dict):
+            record = _resummarized(record, path, number)
         _file(records, record)
     if records.header is None and lines:
         raise HarnessError("results file has no header record", source=str(path),
                            fix="pass a results.jsonl written by `harness run`")
     return records
+
+
+def _resummarized(record: dict, path: Path, number: int) -> dict:
+    """Summaries recomputed from the raw samples, so runs of every version show one
+    statistical convention."""
+    from .measure import summarized
+
+    try:
+        return summarized(record)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise HarnessError("corrupt measurement record", source=str(path), line=number,
+                           fix="restore the file or start a new run") from None
 
 
 # The keys each record type is filed by; a line without them was not written by a run.

@@ -17,7 +17,13 @@ from .build import (
     file_sha256,
     missing_build_n_bytes,
 )
-from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, weights_n_bytes
+from .costs import (
+    decode_n_bytes_by_type,
+    decode_weight_n_bytes,
+    kv_n_bytes_per_token,
+    matmul_n_params_by_type,
+    weights_n_bytes,
+)
 from .dtypes import DTYPES
 from .env import available_ram_bytes
 from .errors import HarnessError, MeasurementError
@@ -52,24 +58,29 @@ def pending(scenario: Scenario, done: set[str]) -> list[Measurement]:
     return sorted(todo, key=lambda m: first[m.model.key])
 
 
-ProbeFn = Callable[[list[int]], dict]
+ProberFactory = Callable[[list[str]], object]
 
 
 def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bool = False,
                  cache_dir: Path | None = None, console: Console | None = None,
-                 argv: list[str] | None = None, probe_fn: ProbeFn | None = None) -> dict:
+                 argv: list[str] | None = None,
+                 prober_factory: ProberFactory | None = None) -> dict:
     """Measure every pending measurement, appending each record the moment it exists; probe
-    the ceilings before and after, and append the analysis."""
+    every ceiling before and after, the ones each measurement needs right beside it, and
+    append the analysis."""
     console = console or Console()
     _write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
     preflight(scenario, todo, cache_dir)
-    threads = sorted({1} | {m.settings.threads for m in scenario.measurements})
     if todo:
-        _probe(writer, "before", threads, probe_fn, console)
-    _measure_all(todo, writer, scenario, strict, cache_dir, console)
-    if todo:
-        _probe(writer, "after", threads, probe_fn, console)
+        files = _build_all(todo, writer, scenario.seed, cache_dir, console)
+        todo = [m for m in todo if m.model.key in files]
+        threads = sorted({1} | {m.settings.threads for m in scenario.measurements})
+        dtypes = sorted({t for types in files.values() for t in types[1]})
+        with _RunProber(writer, console, prober_factory, dtypes) as prober:
+            prober.full("before", threads)
+            _measure_all(todo, writer, scenario, strict, files, prober, console)
+            prober.full("after", threads)
     analysis = analyze_records(writer.records)
     writer.append(analysis)
     return analysis
@@ -87,33 +98,85 @@ def analyze_records(records) -> dict:
     return analyze(records.measurements, records.models, records.probes, table)
 
 
-def _probe(writer: RunWriter, when: str, threads: list[int], probe_fn: ProbeFn | None,
-           console: Console) -> None:
-    """Measure the ceilings; a probe that fails is recorded as missing, never guessed."""
-    from .probe import probe
+class _RunProber:
+    """The run's probes, each appended as a record; a probe that fails is recorded as missing,
+    never guessed, and the run goes on."""
 
-    console.info(f"probing memory bandwidth and matmul peak ({when} the measurements)")
-    record = {"type": "probe", "when": when, "at": now_iso(), "threads": threads}
-    try:
-        record["result"] = (probe_fn or probe)(threads)
-    except (MemoryError, OSError, ValueError, RuntimeError) as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        console.warn(f"the {when} probe failed ({record['error']}); ceilings will be missing")
-    writer.append(record)
+    def __init__(self, writer: RunWriter, console: Console, factory: ProberFactory | None,
+                 dtypes: list[str]) -> None:
+        self.writer, self.console, self.error = writer, console, None
+        try:
+            if factory is None:
+                from .probe import Prober as factory
+            self.prober = factory(dtypes)
+        except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
+            self.prober, self.error = None, f"{type(exc).__name__}: {exc}"
+
+    def full(self, when: str, threads: list[int]) -> None:
+        self.console.info(f"probing memory bandwidth and ggml's kernels ({when} the "
+                          "measurements)")
+        self._record({"when": when, "threads": threads}, lambda p: p.full(threads))
+
+    def beside(self, m: Measurement, dtypes: list[str]) -> None:
+        phases = tuple(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
+                                                            or m.shared_prefix)) if on)
+        self._record({"when": "beside", "for": m.id, "threads": [m.settings.threads]},
+                     lambda p: p.beside(m.settings.threads, dtypes, phases))
+
+    def _record(self, record: dict, work) -> None:
+        record = {"type": "probe", "at": now_iso()} | record
+        try:
+            if self.prober is None:
+                raise RuntimeError(self.error)
+            record["result"] = work(self.prober)
+        except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
+            record["error"] = self.error or f"{type(exc).__name__}: {exc}"
+            if record["when"] != "beside":
+                self.console.warn(f"the {record['when']} probe failed ({record['error']}); "
+                                  "ceilings will be missing")
+        self.writer.append(record)
+
+    def __enter__(self) -> _RunProber:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prober is not None:
+            self.prober.close()
 
 
-def _measure_all(todo: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
-                 cache_dir: Path | None, console: Console) -> None:
+def _build_all(todo: list[Measurement], writer: RunWriter, seed: int, cache_dir: Path | None,
+               console: Console) -> dict[str, tuple[Path, list[str]]]:
+    """Every model file the run needs, with its tensor types (the ceilings to probe); a model
+    that cannot be built is recorded as a failure and left out."""
+    files = {}
     for key, group in groupby(todo, key=lambda m: m.model.key):
         group = list(group)
         try:
-            _run_model(group, writer, scenario, strict, cache_dir, console)
+            path = _model_file(group[0].model, seed, cache_dir, console)
         except MeasurementError as exc:
-            # One model failing (a load, a decode) must not cost the others their numbers.
-            writer.append({"type": "failure", "model_key": key, "step": exc.step,
-                           "error": exc.render(), "ids": [m.id for m in group],
-                           "at": now_iso()})
-            console.warn(f"{key}: {exc.render()}; going on with the next model")
+            exc.step = "build"
+            _record_failure(writer, key, exc, group, console)
+            continue
+        files[key] = (path, sorted({t.type_name.lower() for t in tensor_table(path)}))
+    return files
+
+
+def _record_failure(writer: RunWriter, key: str, exc: MeasurementError,
+                    group: list[Measurement], console: Console) -> None:
+    # One model failing (a build, a load, a decode) must not cost the others their numbers.
+    writer.append({"type": "failure", "model_key": key, "step": exc.step,
+                   "error": exc.render(), "ids": [m.id for m in group], "at": now_iso()})
+    console.warn(f"{key}: {exc.render()}; going on with the next model")
+
+
+def _measure_all(todo: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
+                 files: dict, prober: _RunProber, console: Console) -> None:
+    for key, group in groupby(todo, key=lambda m: m.model.key):
+        group = list(group)
+        try:
+            _run_model(group, writer, scenario, strict, files[key], prober, console)
+        except MeasurementError as exc:
+            _record_failure(writer, key, exc, group, console)
 
 
 def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:
@@ -202,11 +265,11 @@ def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
 
 
 def _run_model(group: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
-               cache_dir: Path | None, console: Console) -> None:
+               file: tuple[Path, list[str]], prober: _RunProber, console: Console) -> None:
     from .llama import Model
 
     ref = group[0].model
-    path = _model_file(ref, scenario.seed, cache_dir, console)
+    path, dtypes = file
     _noise_gate(f"before loading {ref.label}", strict, console)
     try:
         model = Model(path)
@@ -216,6 +279,7 @@ def _run_model(group: list[Measurement], writer: RunWriter, scenario: Scenario, 
     try:
         info = _model_record(writer, ref, path, model)
         for m in group:
+            prober.beside(m, dtypes)
             writer.append(measure(model, m, info, scenario.seed,
                                   lambda where: _noise_gate(where, strict, console)))
             console.advance(writer.records.measurements[-1])
@@ -252,6 +316,8 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
         "n_params": info.n_params, "model_n_bytes": info.n_bytes, "description": info.description,
         "weights_n_bytes": weights_n_bytes(table),
         "decode_weight_n_bytes": decode_weight_n_bytes(table),
+        "decode_type_n_bytes": decode_n_bytes_by_type(table),
+        "matmul_type_n_params": matmul_n_params_by_type(table),
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(),

@@ -1,36 +1,47 @@
-"""Summary statistics of raw samples: the numbers every table shows, with their spread."""
+"""Summary statistics of raw samples: the numbers every table shows, with their spread.
+
+Convention: tables show the median of the per-repetition values with a distribution-free 95%
+confidence interval of the median (order statistics); the mean with its Student-t interval
+stays in the records for anyone who wants it.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
 
-UNSTABLE_CV = 0.05  # a measurement whose coefficient of variation exceeds 5% is flagged
+from scipy import stats as sps
 
-# Two-sided 95% Student-t critical values t(0.975, df) for df = 1..30 (any statistics table).
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+UNSTABLE_CV = 0.05  # a measurement whose coefficient of variation exceeds 5% is flagged
+CONFIDENCE = 0.95
 
 
 def t_critical_95(df: int) -> float:
-    """t(0.975, df); beyond the table, the normal 1.96 plus the first-order t correction."""
-    if df < 1:
-        return math.nan
-    if df <= len(_T975):
-        return _T975[df - 1]
-    return 1.96 + 2.4 / df  # Cornish-Fisher first term: within 0.002 of t for df > 30
+    """t(0.975, df), the two-sided 95% Student-t quantile."""
+    return float(sps.t.ppf(0.5 + CONFIDENCE / 2, df)) if df >= 1 else math.nan
+
+
+def median_ci(samples: list[float]) -> tuple[list[float], float]:
+    """95% CI of the median from order statistics: [x(k), x(n+1-k)] with the largest k whose
+    coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least 95% (Hollander & Wolfe, Nonparametric
+    Statistical Methods, 3.6). Under 6 samples no k reaches 95%: [min, max] and its coverage."""
+    xs, n = sorted(samples), len(samples)
+    k = 1
+    while k + 1 <= n // 2 and 1 - 2 * sps.binom.cdf(k, n, 0.5) >= CONFIDENCE:
+        k += 1
+    coverage = 1 - 2 * sps.binom.cdf(k - 1, n, 0.5)
+    return [xs[k - 1], xs[n - k]], float(coverage)
 
 
 def summarize(samples: list[float]) -> dict:
-    """median, mean, stdev, min, max, CV and the 95% CI of the mean (t-distribution)."""
+    """median with its 95% CI, mean with its 95% CI (t), stdev, min, max and CV."""
     n = len(samples)
     if n == 0:
         return {"n": 0}
     mean = statistics.fmean(samples)
     stdev = statistics.stdev(samples) if n > 1 else 0.0
     half = t_critical_95(n - 1) * stdev / math.sqrt(n) if n > 1 else math.nan
-    return {
+    out = {
         "n": n,
         "median": statistics.median(samples),
         "mean": mean,
@@ -40,6 +51,33 @@ def summarize(samples: list[float]) -> dict:
         "cv": stdev / mean if mean else None,
         "ci95": [mean - half, mean + half] if n > 1 else None,
     }
+    if n > 1:
+        out["median_ci95"], out["median_ci_coverage"] = median_ci(samples)
+    return out
+
+
+def center(summary: dict | None) -> float | None:
+    """The figure tables show: the median (the mean of records that lack one)."""
+    if not summary or not summary.get("n"):
+        return None
+    return summary.get("median", summary.get("mean"))
+
+
+def inverse(summary: dict | None, scale: float = 1000.0) -> dict | None:
+    """scale ÷ a rate: ms per token from the same samples' median tok/s and its interval."""
+    mid = center(summary)
+    if not mid:
+        return None
+    ci = summary.get("median_ci95")
+    return {"n": summary["n"], "median": scale / mid,
+            "median_ci95": [scale / ci[1], scale / ci[0]] if ci and ci[0] > 0 else None}
+
+
+def half_width(samples: list[float]) -> float | None:
+    """Half-width of the 95% CI of the samples' mean (None under 2 samples)."""
+    if len(samples) < 2:
+        return None
+    return t_critical_95(len(samples) - 1) * statistics.stdev(samples) / math.sqrt(len(samples))
 
 
 def is_unstable(summary: dict) -> bool:

@@ -8,6 +8,7 @@ from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, table_from_plan,
 from .dtypes import DTYPES
 from .gguf_build import file_n_bytes
 from .specs import ModelSpec, n_params
+from .stats import center, inverse
 
 GIB = 2**30
 # Quantized sizes are nominal (every matrix at the base type); real recipes mix in other types.
@@ -83,12 +84,13 @@ def render_env(info: dict) -> str:
 
 
 def _with_ci(summary: dict | None, digits: int = 2) -> str:
-    if not summary:
+    """median (95% CI of the median), or the median alone when there is no interval."""
+    if not summary or not summary.get("n"):
         return ""
-    ci = summary.get("ci95")
+    ci = summary.get("median_ci95")
     if ci is None:
-        return f"{summary['mean']:.{digits}f} (n={summary['n']})"
-    return f"{summary['mean']:.{digits}f} ± {(ci[1] - ci[0]) / 2:.{digits}f}"
+        return f"{center(summary):.{digits}f} (n={summary['n']})"
+    return f"{center(summary):.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
 
 
 def test_label(record: dict) -> str:
@@ -118,10 +120,11 @@ def render_summary(measurements: list[dict]) -> str:
     headers = ["model", "dtype", "threads", "test", "prefill tok/s", "decode tok/s",
                "ms/token", "n", "flags"]
     body = [[m["model"], m["dtype"], m["threads"], test_label(m), _with_ci(m["prefill_tok_s"]),
-             _with_ci(m["decode_tok_s"]), _with_ci(m["decode_ms_per_token"]), m["repetitions"],
-             ", ".join(m["flags"])] for m in measurements]
+             _with_ci(m["decode_tok_s"]), _with_ci(inverse(m["decode_tok_s"])),
+             m["repetitions"], ", ".join(m["flags"])] for m in measurements]
     return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
-        "\n± is the half-width of the 95% confidence interval of the mean."
+        "\nMedians over the repetitions, with the 95% confidence interval of the median in " \
+        "brackets; ms/token = 1000 ÷ the decode rate."
 
 
 def _pct(x: float | None) -> str:
@@ -136,44 +139,57 @@ def render_analysis(a: dict) -> str:
     """The rule-of-thumb summary shown at the end of `harness run`."""
     parts = []
     if a["decode"]:
-        body = [[r["model"], r["dtype"], r["threads"], fmt_bytes(r["bytes_per_token"]),
+        body = [[r["model"], r["dtype"], r["threads"], f"{r['bytes_per_token'] / 1e9:.2f}",
                  _with_ci(r["tok_s"]), _num(r["effective_gb_s"]),
-                 _num(r["read_ceiling"]["value"]), _pct(r["share_of_read"])]
+                 _num(r["stream_ceiling"]["value"]), _pct(r["share_of_stream"]),
+                 _num(r["read_ceiling"]["value"]), ", ".join(f for f in r["flags"])]
                 for r in a["decode"]]
-        parts.append("Decode: effective bandwidth = tok/s × bytes read per token\n" + tabulate(
-            body, ["model", "dtype", "threads", "bytes/token", "tok/s", "effective GB/s",
-                   "read ceiling GB/s", "share"], tablefmt="simple", disable_numparse=True))
+        parts.append("Decode: effective bandwidth = tok/s × GB read per token\n" + tabulate(
+            body, ["model", "dtype", "threads", "GB/token", "tok/s", "effective GB/s",
+                   "streaming ceiling GB/s", "share", "numpy read GB/s", "flags"],
+            tablefmt="simple", disable_numparse=True))
     for f in a["fits"]:
         fit = f["fit"]
-        head = (f"Fit, {f['threads']} threads: tok/s = {fit['gb_s']:.1f} GB/s ÷ bytes "
-                f"(R² = {_num(fit['r2'], 3)}, {fit['n_points']} points)" if fit
-                else f"Fit, {f['threads']} threads: none")
-        lines = [head, f"  verdict: {f['verdict']}"] + [f"  note: {n}" for n in f.get("notes", [])]
-        parts.append("\n".join(lines))
-    if a["prefill"]:
-        body = [[r["model"], r["dtype"], r["threads"], r["n_prompt"], _with_ci(r["tok_s"]),
-                 _num(r["gflop_s"]), _num(r["matmul_peak"]["value"]), _pct(r["share_of_peak"])]
-                for r in a["prefill"] if r["n_gen"] == 0]
-        if body:
-            parts.append("Prefill: achieved GFLOP/s against the measured F32 matmul peak\n" +
-                         tabulate(body, ["model", "dtype", "threads", "prompt", "tok/s",
-                                         "GFLOP/s", "peak GFLOP/s", "share"],
-                                  tablefmt="simple", disable_numparse=True))
+        parts.append(f"Fit, {f['threads']} threads: tok/s = {fit['gb_s']:.1f} GB/s ÷ bytes "
+                     f"(R² = {_num(fit['r2'], 3)}, {fit['n_points']} points)\n"
+                     f"  verdict: {f['verdict']}")
+    body = [[r["model"], r["dtype"], r["threads"], r["n_prompt"], _with_ci(r["tok_s"]),
+             _num(r["gflop_s"]), _num(r["compute_peak"]["value"]), _pct(r["share_of_peak"])]
+            for r in a["prefill"] if r["n_gen"] == 0]
+    if body:
+        parts.append("Prefill: achieved GFLOP/s against ggml's compute peak for the model's "
+                     "types\n" + tabulate(body, ["model", "dtype", "threads", "prompt", "tok/s",
+                                                  "GFLOP/s", "peak GFLOP/s", "share"],
+                                           tablefmt="simple", disable_numparse=True))
     drift = [c for c in a["ceilings"] if c["drift"] is not None]
     if drift:
         worst = max(drift, key=lambda c: abs(c["drift"]))
         parts.append(f"Ceilings moved by up to {abs(worst['drift']):.0%} between the probes "
-                     f"before and after ({worst['what']}, {worst['threads']} threads).")
+                     f"before and after ({' '.join(worst['what'])}, {worst['threads']} "
+                     "threads).")
     for error in a["probe_errors"]:
-        parts.append(f"Probe failed: {error}; ceilings marked missing.")
+        parts.append(f"Probe failed: {error}; that ceiling is missing.")
     return "\n\n".join(parts)
 
 
 def render_probe(result: dict) -> str:
-    body = [[t, _num(v["read_gb_s"]), _num(v["copy_gb_s"]), _num(v["matmul_gflop_s"])]
-            for t, v in sorted(result["threads"].items(), key=lambda kv: int(kv[0]))]
-    text = tabulate(body, ["threads", "read GB/s", "copy GB/s", "F32 matmul GFLOP/s"],
-                    tablefmt="simple", disable_numparse=True)
-    notes = [f"best of {result['passes']} passes over {result['array_n_bytes'] / 2**20:.0f} MiB "
-             "arrays (STREAM conventions: copy counts bytes read + written)"] + result["notes"]
+    """numpy read and copy, then ggml's streaming and compute figures per weight type."""
+    threads = sorted(result["threads"].items(), key=lambda kv: int(kv[0]))
+    text = tabulate([[t, _num(v["read_gb_s"]), _num(v.get("copy_gb_s"))] for t, v in threads],
+                    ["threads", "numpy read GB/s", "numpy copy GB/s"], tablefmt="simple",
+                    disable_numparse=True)
+    body = [[t, dtype, e.get("layout", ""), _num(e.get("stream_gb_s")),
+             _num(e.get("compute_gflop_s")), e.get("error", "")]
+            for t, v in threads for dtype, e in (v.get("ggml") or {}).items()]
+    text += "\n\n" + tabulate(body, ["threads", "weights", "layout", "ggml streaming GB/s",
+                                     "ggml compute GFLOP/s", "missing because"],
+                               tablefmt="simple", disable_numparse=True)
+    notes = [f"numpy: best of {result['passes']['read']} passes over "
+             f"{result['array_n_bytes'] / 2**20:.0f} MiB arrays (STREAM conventions: copy "
+             "counts bytes read + written); the machine's plain memory figures.",
+             f"ggml: llama.cpp's own kernels, best of {result['passes']['stream']} passes; "
+             f"streaming = a matrix-vector product over {result['stream_n_bytes'] / 2**20:.0f} "
+             "MiB of weights (GB/s of weight bytes), compute = weights times a 512-column "
+             "activation (GFLOP/s). layout CPU_REPACK: weights repacked as llama.cpp does at "
+             "load for this type on this CPU; CPU: the plain layout."] + result["notes"]
     return text + "\n" + "\n".join(notes)

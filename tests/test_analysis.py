@@ -46,8 +46,9 @@ def test_prefill_flops_hand_computed():
 
 
 def test_mean_decode_context():
-    assert mean_decode_context(16, 64) == 16 + 31.5
-    assert mean_decode_context(0, 1) == 0
+    # steps at positions 16..79 read 17..80 cells: mean 48.5
+    assert mean_decode_context(16, 64) == sum(p + 1 for p in range(16, 80)) / 64 == 48.5
+    assert mean_decode_context(0, 1) == 1
 
 
 def test_fit_recovers_a_known_bandwidth():
@@ -61,40 +62,146 @@ def test_fit_recovers_a_known_bandwidth():
     assert noisy.r2 == pytest.approx(1 - ss_res / ss_tot)
 
 
-def _row(model, n_bytes, tok_s, dtype="f32", ceiling=40.0):
+def _row(model, n_bytes, tok_s, dtype="f32", ceiling=40.0, cv=0.01, flags=()):
+    effective = tok_s * n_bytes / 1e9
     return {"model": model, "dtype": dtype, "threads": 2, "bytes_per_token": n_bytes,
-            "tok_s": {"mean": tok_s}, "effective_gb_s": tok_s * n_bytes / 1e9,
-            "read_ceiling": {"value": ceiling}}
+            "tok_s": {"n": 5, "median": tok_s, "cv": cv}, "effective_gb_s": effective,
+            "share_of_stream": effective / ceiling, "flags": list(flags)}
 
 
-def test_verdict_memory_bound_and_not_clean():
-    clean = fit_verdicts([_row("a", 2e9, 15.0), _row("b", 4e9, 7.6), _row("c", 6e9, 5.0)])[0]
+def test_verdict_clean_only_when_tight_and_unflagged():
+    rows = [_row("a", 2e9, 15.0), _row("b", 4e9, 7.6), _row("c", 6e9, 5.0)]
+    clean = fit_verdicts(rows)[0]
     assert clean["memory_bound"] and clean["verdict"].startswith("clearly memory-bound")
-    assert clean["share_of_read"] == pytest.approx(clean["fit"]["gb_s"] / 40)
-    flat = fit_verdicts([_row("a", 1e9, 10.0, "q4_0"), _row("b", 2e9, 9.0, "q4_0"),
-                         _row("c", 4e9, 8.0, "q4_0")])[0]
-    assert not flat["memory_bound"] and flat["verdict"].startswith("not clean")
+    assert clean["share_of_stream"] == pytest.approx(sum(r["share_of_stream"] for r in rows) / 3)
+    # the same numbers with one unsteady point: the fit is as tight, the verdict is not clean
+    unsteady = fit_verdicts([*rows[:2], _row("c", 6e9, 5.0, cv=0.12,
+                                             flags=["unstable-decode"])])[0]
+    assert not unsteady["memory_bound"] and unsteady["verdict"].startswith("not clean")
+    assert any("c f32 decoded unsteadily (CV 12%" in r for r in unsteady["reasons"])
+    above = fit_verdicts([*rows[:2], _row("c", 6e9, 5.0, ceiling=25.0,
+                                          flags=["above-ceiling"])])[0]
+    assert any("c f32 (120%) ran above the streaming ceiling" in r for r in above["reasons"])
+
+
+def test_verdict_names_types_that_do_not_follow_their_bytes():
+    rows = [_row("m", 1.0e9, 53.5, "q4_k_m"), _row("m", 1.33e9, 53.5, "q6_k"),
+            _row("m", 4e9, 14.0, "f32")]
+    v = fit_verdicts(rows)[0]
+    assert not v["memory_bound"]
+    same = [r for r in v["reasons"] if "m q4_k_m decodes at 1.00× the speed of m q6_k" in r]
+    assert same and "25% fewer bytes" in same[0] and "not limited by bytes" in same[0]
+    flat = fit_verdicts([_row("a", 1e9, 10.0), _row("b", 2e9, 9.0), _row("c", 4e9, 8.0)])[0]
     assert any("R²" in r for r in flat["reasons"])
-    assert any("quantized types (q4_0)" in r for r in flat["reasons"])
-    single = fit_verdicts([_row("a", 1e9, 10.0)])[0]
-    assert single["fit"] is None and single["verdict"].startswith("no fit")
+    assert fit_verdicts([_row("a", 1e9, 10.0)]) == []  # one size: no fit, no section
 
 
-def test_ceiling_beside_uses_the_probes_around_a_record():
-    probes = [{"seq": 2, "result": {"threads": {"2": {"read_gb_s": 20.0}}}},
-              {"seq": 9, "result": {"threads": {"2": {"read_gb_s": 22.0}}}}]
-    c = analysis.ceiling_beside(probes, 5, 2, "read_gb_s")
-    assert c["value"] == 21.0 and c["drift"] == pytest.approx(0.1)
-    assert analysis.ceiling_beside([], 5, 2, "read_gb_s")["value"] is None
+def _probe(seq, threads, **ggml):
+    node = {"read_gb_s": 20.0 + seq, "read_samples_gb_s": [19.0 + seq, 20.0 + seq],
+            "ggml": {t: {"stream_gb_s": v, "stream_samples_gb_s": [v, v * 0.98, v * 0.99],
+                         "layout": "CPU"} for t, v in ggml.items()}}
+    return {"seq": seq, "result": {"threads": {str(threads): node}}}
 
 
-def test_probe_structure_on_tiny_arrays():
-    r = probe([1, 2], 4 << 20, 5, matmul_n=32)
-    assert r["array_n_bytes"] == 4 << 20 and r["passes"] == 5
+def test_ceiling_near_uses_the_nearest_probes_that_measured_the_figure():
+    probes = [_probe(2, 2, f32=30.0), _probe(4, 1, f32=99.0), _probe(9, 2, f32=33.0)]
+    c = analysis.ceiling_near(probes, 5, 2, ("ggml", "f32", "stream_gb_s"))
+    assert c["before"] == 30.0 and c["after"] == 33.0 and c["value"] == 31.5
+    assert c["drift"] == pytest.approx(0.1)
+    samples = [30, 29.4, 29.7, 33, 32.34, 32.67]
+    assert c["spread"] == pytest.approx(analysis.half_width(samples) / 31.5)
+    assert analysis.ceiling_near([], 5, 2, ("read_gb_s",))["value"] is None
+
+
+def test_combined_ceiling_adds_time_over_the_tensor_types():
+    probes = [_probe(1, 2, q4_0=40.0, q8_0=20.0, f32=10.0)]
+    bytes_by_type = {"q4_0": 600, "q8_0": 300, "f32": 100}
+    c = analysis.combined_ceiling(bytes_by_type, probes, 5, 2, "stream_gb_s")
+    assert c["value"] == pytest.approx(1000 / (600 / 40 + 300 / 20 + 100 / 10))
+    assert c["by_type"] == {"q4_0": 40.0, "q8_0": 20.0, "f32": 10.0}
+    missing = analysis.combined_ceiling({"q6_k": 5, "f32": 1}, probes, 5, 2, "stream_gb_s")
+    assert missing["value"] is None and missing["missing"] == ["q6_k"]
+    assert "no ggml ceiling for q6_k" in missing["reason"]
+
+
+def test_above_ceiling_allows_the_ceilings_own_spread():
+    assert not analysis.above_ceiling(1.04, {"spread": 0.05})
+    assert analysis.above_ceiling(1.06, {"spread": 0.05})
+    assert analysis.above_ceiling(1.01, {"spread": None})
+    assert not analysis.above_ceiling(None, {"spread": None})
+
+
+def test_estimate_bands_use_the_real_file_where_the_run_has_it():
+    table = {"m": {"q4_0": 1e9, "f32": 4e9}}
+    models = {"m|q4_0": {"decode_weight_n_bytes": 1.25e9}}
+    fits = [{"fit": {"gb_s": 30.0, "n_points": 3}}]
+    p = analysis.predictions(fits, [], models, table)
+    here = {r["dtype"]: r for r in p["this_machine"]}
+    assert here["q4_0"]["bytes_from"] == "file" and here["q4_0"]["tok_s"] == pytest.approx(24)
+    assert here["f32"]["bytes_from"] == "nominal" and here["f32"]["tok_s"] == pytest.approx(7.5)
+    h100 = next(r for r in p["reference"] if r["hardware"].startswith("NVIDIA H100")
+                and r["dtype"] == "q4_0")
+    low, high, _ = analysis.BANDS["gpu"]
+    assert h100["tok_s_low"] == pytest.approx(3350 * low / 1.25)
+    assert h100["tok_s_high"] == pytest.approx(3350 * high / 1.25)
+    ddr = next(r for r in p["reference"] if r["class"] == "cpu" and r["dtype"] == "f32")
+    assert ddr["tok_s_low"] == pytest.approx(ddr["bandwidth_gb_s"] * 0.5 / 4)
+
+
+def test_workloads_match_threads_and_use_the_nearest_depth():
+    pre = [{"model": "m", "dtype": "f32", "threads": t, "n_gen": 0, "n_prompt": n,
+            "tok_s": {"n": 5, "median": rate}}
+           for t, n, rate in ((1, 128, 100.0), (2, 128, 200.0), (2, 4096, 150.0))]
+    dec = [{"model": "m", "dtype": "f32", "threads": t, "n_prompt": 0, "n_gen": 32,
+            "tok_s": {"n": 5, "median": rate}} for t, rate in ((1, 5.0), (2, 10.0))]
+    kv = [{"model": "m", "dtype": "f32", "threads": 2, "kv_type": "f16", "depth": 8192,
+           "n_gen": 32, "tok_s": {"n": 5, "median": 8.0}}]
+    rows = analysis.workload_balance(pre, dec, kv)
+    chat = next(r for r in rows if r["threads"] == 2 and r["workload"] == "chat")
+    assert chat["prefill_s"] == pytest.approx(500 / 200) and chat["prefill_rate_from"] == 128
+    assert chat["decode_s"] == pytest.approx(300 / 10.0) and not chat["extrapolated"]
+    rag = next(r for r in rows if r["threads"] == 2 and r["workload"] == "RAG, long context")
+    assert rag["prefill_rate_from"] == 4096 and rag["decode_s"] == pytest.approx(300 / 8.0)
+    assert "prefill rate of 4,096 tokens applied to 10,000" in rag["extrapolated"][0]
+    one = next(r for r in rows if r["threads"] == 1 and r["workload"] == "chat")
+    assert one["prefill_s"] == pytest.approx(5.0) and one["decode_s"] == pytest.approx(60.0)
+    long_form = next(r for r in rows if r["threads"] == 1
+                     and r["workload"] == "long-form generation")
+    assert any("decode rate at" in e for e in long_form["extrapolated"])
+
+
+def test_probe_structure_on_tiny_matrices():
+    r = probe([1, 2], ["f32", "q4_0", "iq2_xxs"], 1 << 20, 5)
+    assert r["array_n_bytes"] == 1 << 20 and r["passes"]["read"] == 5
     assert set(r["threads"]) == {"1", "2"}
     for v in r["threads"].values():
         assert len(v["read_samples_gb_s"]) == 5 and v["read_gb_s"] == max(v["read_samples_gb_s"])
-        assert len(v["copy_samples_gb_s"]) == 5 and v["matmul_gflop_s"] > 0
+        assert len(v["copy_samples_gb_s"]) == 5
+        for dtype in ("f32", "q4_0"):
+            e = v["ggml"][dtype]
+            assert len(e["stream_samples_gb_s"]) == 5
+            assert e["stream_gb_s"] == max(e["stream_samples_gb_s"]) > 0
+            assert e["compute_gflop_s"] == max(e["compute_samples_gflop_s"]) > 0
+            assert e["layout"] in ("CPU", "CPU_REPACK")
+        assert "importance matrix" in v["ggml"]["iq2_xxs"]["error"]
+
+
+def test_kernel_probe_matrix_sizes_and_flops():
+    from harness.llama import KernelProbe
+
+    kp = KernelProbe(1 << 20)
+    try:
+        s = kp.stream("q8_0", 1, 2)
+        # 1 MiB of Q8_0 rows of 4096 weights (34 bytes per 32): whole multiples of 64 rows
+        row = 4096 // 32 * 34
+        assert s["n_bytes"] == (1 << 20) // row // 64 * 64 * row
+        c = kp.compute("f32", 1, 2)
+        assert len(c["samples_gflop_s"]) == 2
+        mm = kp._cache[("f32", "compute")]
+        assert mm.flops == 2.0 * 64 * 4096 * 512  # rows capped by the 1 MiB stream matrix
+        assert kp.unsupported("q8_k") and kp.unsupported("nonsense")
+    finally:
+        kp.close()
 
 
 def test_probe_shrinks_arrays_when_ram_is_short(monkeypatch):

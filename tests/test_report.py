@@ -21,7 +21,7 @@ def rendered(name: str) -> str:
     return render_markdown(report_data(records, analysis_of(records)), PLOTS)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_partial"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_partial", "tiny_v2"])
 def test_markdown_matches_golden(name):
     golden = GOLDEN / f"{name}.md"
     text = rendered(name)
@@ -32,14 +32,52 @@ def test_markdown_matches_golden(name):
 
 
 def test_full_report_sections():
-    text = rendered("tiny")
+    text = rendered("tiny_v2")
     for heading in ("# Tiny end-to-end run", "### Prefill: time to first token",
                     "### Decode against model size", "### The rule of thumb",
                     "### Measured ceilings of this machine", "Estimates, not measurements",
-                    "## Method", "## Environment", "## Reproduce",
+                    "## Method", "## Environment", "## Reproduce", "ggml F32 streaming GB/s",
                     "harness run tests/scenarios/tiny.yaml", "![Decode tok/s"):
         assert heading in text, heading
-    assert " ± " in text and "Incomplete run" not in text
+    assert "Incomplete run" not in text
+
+
+def _table_rows(text: str, title: str) -> list[list[str]]:
+    lines = text.split(f"### {title}\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_decode_table_numbers_follow_from_the_raw_samples():
+    """Every decode row recomputed here from the fixture's raw samples and probe records."""
+    import statistics
+
+    from harness.analysis import ceiling_near
+    from harness.costs import mean_decode_context
+
+    _, records = load_run(RUNS / "tiny_v2")
+    rows = {(r[0], r[1]): r for r in _table_rows(rendered("tiny_v2"),
+                                                  "Decode against model size")}
+    assert len(rows) == 4
+    for m in records.measurements:
+        if not m["n_gen"]:
+            continue
+        model = records.models[m["model_key"]]
+        rates = [m["n_gen"] / sum(d) for d in m["samples"]["decode_s"]]
+        rate = statistics.median(rates)
+        n_bytes = model["decode_weight_n_bytes"] + model["kv_n_bytes_per_token_f16"] * \
+            mean_decode_context(m["n_prompt"], m["n_gen"])
+        effective = rate * n_bytes / 1e9
+        times = sum(n / ceiling_near(records.probes, m["seq"], m["threads"],
+                                     ("ggml", t, "stream_gb_s"))["value"]
+                    for t, n in model["decode_type_n_bytes"].items())
+        stream = sum(model["decode_type_n_bytes"].values()) / times
+        row = rows[(m["model"], m["dtype"])]
+        assert row[6].startswith(f"{rate:.2f} (")
+        lo, hi = sorted(rates)[0], sorted(rates)[-1]  # 3 repetitions: the CI is min-max
+        assert row[6] == f"{rate:.2f} ({lo:.2f}–{hi:.2f})"
+        assert row[7].startswith(f"{1000 / rate:.1f} (")
+        assert row[8] == f"{effective:.1f}" and row[9] == f"{stream:.1f}"
+        assert row[10] == f"{effective / stream:.0%}"
 
 
 def test_partial_run_says_what_is_missing():
@@ -60,7 +98,7 @@ def test_csv_and_json_exports_hold_the_same_tables():
     exported = json.loads(render_json(data))
     assert len(exported["tables"]["prefill"]["rows"]) == 8
     first = exported["tables"]["prefill"]["rows"][0]
-    assert float(prefill[0][header.index("tok_s")]) == pytest.approx(first["tok_s"]["mean"])
+    assert float(prefill[0][header.index("tok_s")]) == pytest.approx(first["tok_s"]["median"])
     assert exported["tables"]["decode"]["rows"][0]["gb_s"] > 0
 
 

@@ -67,15 +67,29 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
         lo, hi = m["prefill_tok_s"]["ci95"]
         assert lo <= m["prefill_tok_s"]["mean"] <= hi
         assert math.isfinite(m["noise"]["idle_other_cores"])
-    assert [p["when"] for p in records.probes] == ["before", "after"]
-    assert records.probes[0]["seq"] < records.measurements[0]["seq"]
-    assert records.probes[1]["seq"] > records.measurements[-1]["seq"]
+    # the full set at both ends, and right before every measurement the figures it needs
+    assert [p["when"] for p in records.probes] == (
+        ["before"] + ["beside"] * len(records.measurements) + ["after"])
+    beside = [p for p in records.probes if p["when"] == "beside"]
+    for probe, m in zip(beside, records.measurements, strict=True):
+        assert probe["for"] == m["id"] and probe["seq"] == m["seq"] - 1
+        ggml = probe["result"]["threads"][str(m["threads"])]["ggml"]
+        model = records.models[m["model_key"]]
+        assert set(ggml) == set(model["decode_type_n_bytes"])  # the model's own types
+        assert all(("stream_gb_s" in e) == bool(m["n_gen"]) for e in ggml.values())
+        assert all("compute_gflop_s" in e for e in ggml.values())  # every cell prefills
     (analysis,) = records.analyses
     assert len(analysis["decode"]) == 4 and len(analysis["prefill"]) == 12
     for row in analysis["decode"]:
         assert row["read_ceiling"]["value"] > 0 and row["share_of_read"] > 0
-        assert row["effective_gb_s"] == pytest.approx(row["tok_s"]["mean"]
+        assert row["stream_ceiling"]["value"] > 0 and row["share_of_stream"] > 0
+        assert row["effective_gb_s"] == pytest.approx(row["tok_s"]["median"]
                                                       * row["bytes_per_token"] / 1e9)
+    for row in analysis["prefill"]:
+        assert row["compute_peak"]["value"] > 0 and row["share_of_peak"] > 0
+    for m in records.measurements:
+        assert m["flash_attn_used"] in (True, False)
+        assert m["samples"]["n_cached"] == [m["n_prompt"] + m["n_gen"]] * m["repetitions"]
     assert {f["threads"] for f in analysis["fits"]} == {1}
     assert analysis["predictions"]["estimate"] is True
 
@@ -83,20 +97,34 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
 def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
     fast_noise(monkeypatch)
 
-    def broken(threads):
-        raise MemoryError("no room")
+    class Broken:
+        def __init__(self, dtypes):
+            pass
+
+        def full(self, threads):
+            raise MemoryError("no room")
+
+        def beside(self, threads, dtypes, phases):
+            raise MemoryError("no room")
+
+        def close(self):
+            pass
 
     plan = load_scenario(SCENARIO, 1)
     with RunWriter(tmp_path / "run", resume=False) as writer:
-        analysis = run_scenario(plan, writer, {}, console=QUIET, probe_fn=broken)
+        analysis = run_scenario(plan, writer, {}, console=QUIET, prober_factory=Broken)
     assert len(writer.records.measurements) == len(plan.measurements)
-    assert [p.get("error") for p in writer.records.probes] == ["MemoryError: no room"] * 2
+    errors = [p.get("error") for p in writer.records.probes]
+    assert errors == ["MemoryError: no room"] * (2 + len(plan.measurements))
     assert all(r["read_ceiling"]["value"] is None for r in analysis["decode"])
-    assert analysis["probe_errors"]
+    assert all(r["stream_ceiling"]["value"] is None and r["share_of_stream"] is None
+               for r in analysis["decode"])
+    assert analysis["probe_errors"] == ["MemoryError: no room"]
 
 
 def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
-    """Without the clear, repetition 2 would continue the cache (and overflow n_ctx)."""
+    """Every repetition starts from an empty cache: after each, it holds exactly the prompt
+    and the generated tokens."""
     from harness.build import build
     from harness.dtypes import DTYPES
     from harness.llama import Model
@@ -114,6 +142,7 @@ def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
     assert min(prefill[1:]) > 0.2 * prefill[0]
     for perf in record["samples"]["perf"]:
         assert perf["n_p_eval"] == m.n_prompt  # counters reset, each rep evaluates the prompt
+    assert record["samples"]["n_cached"] == [m.n_prompt + m.n_gen] * 3
 
 
 def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
@@ -136,7 +165,8 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert sorted(ids) == sorted(m.id for m in plan.measurements)
     assert len(ids) == len(set(ids))
     assert [r["type"] for r in records.other] == ["resume"]
-    assert [p["when"] for p in records.probes] == ["before", "before", "after"]
+    whens = [p["when"] for p in records.probes if p["when"] != "beside"]
+    assert whens == ["before", "before", "after"]
 
 
 def test_truncated_last_line_is_dropped_on_resume(tmp_path, monkeypatch):
