@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .costs import decode_n_bytes_per_token, mean_decode_context, prefill_flops
 from .specs import ModelSpec
-from .stats import center, half_width
+from .stats import center, half_width, summarize
 
 # Spec-sheet peak memory bandwidths, GB/s (vendors' data sheets; DDR = channels x MT/s x 8 B),
 # with the hardware class whose band of achievable fractions applies.
@@ -47,7 +47,7 @@ WORKLOADS = [
     ("long-form generation", 200, 2000),
 ]
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 4
+ANALYSIS_VERSION = 5
 MEMORY_BOUND_R2 = 0.90
 MEMORY_BOUND_SPREAD = 0.25  # every point's effective bandwidth within 25% of the fit
 MEMORY_BOUND_SHARE = 0.50  # the fitted bandwidth at least half the streaming ceiling
@@ -94,16 +94,27 @@ def probe_figure(probe: dict | None, threads: int, path: tuple[str, ...]) -> dic
             "layout": node.get("layout")}
 
 
-def ceiling_near(probes: list[dict], seq: int, threads: int, path: tuple[str, ...]) -> dict:
-    """The figure from the nearest probe before and after a record that measured it: their
-    mean, and its spread (half-width of the 95% CI of their pooled samples)."""
-    before = next((f for p in reversed(probes) if p["seq"] < seq
+def span(m: dict) -> tuple[int, int]:
+    """The records a measurement's repetitions lie between (one point for older runs)."""
+    first = (m.get("span_seq") or [m["seq"]])[0]
+    return first, m["seq"]
+
+
+def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
+                 path: tuple[str, ...]) -> dict:
+    """The figure from the probes that measured it nearest a record (or a span of records:
+    the nearest before, every one inside, the nearest after): their mean, and its spread
+    (half-width of the 95% CI of their pooled samples, relative)."""
+    lo, hi = seq if isinstance(seq, tuple) else (seq, seq)
+    before = next((f for p in reversed(probes) if p["seq"] < lo
                    and (f := probe_figure(p, threads, path))), None)
-    after = next((f for p in probes if p["seq"] > seq
+    inside = [f for p in probes if lo < p["seq"] < hi and (f := probe_figure(p, threads, path))]
+    after = next((f for p in probes if p["seq"] > hi
                   and (f := probe_figure(p, threads, path))), None)
-    found = [f for f in (before, after) if f]
+    found = [f for f in (before, *inside, after) if f]
     out = {"before": before and before["value"], "after": after and after["value"],
-           "value": None, "spread": None, "layout": next((f["layout"] for f in found), None)}
+           "value": None, "spread": None, "layout": next((f["layout"] for f in found), None),
+           "n_probes": len(found)}
     if not found:
         return out
     out["value"] = sum(f["value"] for f in found) / len(found)
@@ -114,8 +125,8 @@ def ceiling_near(probes: list[dict], seq: int, threads: int, path: tuple[str, ..
     return out
 
 
-def combined_ceiling(weights: dict[str, float], probes: list[dict], seq: int, threads: int,
-                     what: str) -> dict:
+def combined_ceiling(weights: dict[str, float], probes: list[dict],
+                     seq: int | tuple[int, int], threads: int, what: str) -> dict:
     """A model's ceiling over its mix of tensor types: total ÷ Σ (weight of t ÷ ceiling of t)
     (time adds up over the types); a type without a ceiling leaves it missing, not guessed."""
     weights = {t: w for t, w in (weights or {}).items() if w > 0}
@@ -161,9 +172,9 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
                                            model["kv_n_bytes_per_token_f16"],
                                            mean_decode_context(m["n_prompt"], m["n_gen"]))
         effective = center(tok) * n_bytes / 1e9
-        stream = combined_ceiling(model.get("decode_type_n_bytes"), probes, m["seq"],
+        stream = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m),
                                   m["threads"], "stream_gb_s")
-        read = ceiling_near(probes, m["seq"], m["threads"], ("read_gb_s",))
+        read = ceiling_near(probes, span(m), m["threads"], ("read_gb_s",))
         share = effective / stream["value"] if stream["value"] else None
         flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, stream) else [])
         rows.append({
@@ -173,9 +184,30 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "effective_gb_s": effective, "stream_ceiling": stream, "read_ceiling": read,
             "share_of_stream": share,
             "share_of_read": effective / read["value"] if read["value"] else None,
-            "flags": flags,
+            "paired_read_ratio": paired_read_ratio(m, n_bytes), "flags": flags,
+            "noise": m.get("noise"),
         })
     return rows
+
+
+def rep_rates(m: dict, phase: str) -> list[float | None]:
+    """Each repetition's tok/s of one phase (decode counts every sequence's tokens), in the
+    order of the record's samples; None where a repetition has no such phase."""
+    samples = m.get("samples") or {}
+    if phase == "decode":
+        n = m.get("parallel", 1) * m["n_gen"]
+        return [n / sum(d) if d and sum(d) > 0 else None for d in samples.get("decode_s", [])]
+    n = m.get("parallel", 1) * (m.get("shared_prefix", 0) + m["n_prompt"])
+    return [n / t if t else None for t in samples.get("prefill_s", [])]
+
+
+def paired_read_ratio(m: dict, n_bytes: float) -> dict | None:
+    """Effective bandwidth of each repetition ÷ the mean of the page reads taken right before
+    and after it: drift of the machine cancels in the ratio (not a share of a ceiling)."""
+    reads = m["samples"].get("read_gb_s") or []
+    ratios = [rate * n_bytes / 1e9 / (sum(r) / len(r))
+              for rate, r in zip(rep_rates(m, "decode"), reads, strict=False) if rate and r]
+    return summarize(ratios) if ratios else None
 
 
 def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
@@ -189,7 +221,7 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
         flops = prefill_flops(ModelSpec(**model["spec"]), m["n_prompt"])
         seconds = m["n_prompt"] / center(tok)
         gflop_s = flops / seconds / 1e9
-        peak = combined_ceiling(model.get("matmul_type_n_params"), probes, m["seq"],
+        peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m),
                                 m["threads"], "compute_gflop_s")
         share = gflop_s / peak["value"] if peak["value"] else None
         flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, peak) else [])
@@ -197,7 +229,7 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "seconds": seconds,
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
-            "share_of_peak": share, "flags": flags,
+            "share_of_peak": share, "flags": flags, "noise": m.get("noise"),
         })
     return rows
 
@@ -414,6 +446,31 @@ def _figures(*probes: dict | None) -> list[tuple[int, tuple[str, ...]]]:
     return sorted(out, key=lambda k: (k[0], len(k[1]), k[1]))
 
 
+REGIME_GAP = 0.15  # a gap of 15% between sorted page reads splits them into two regimes
+
+
+def stability(measurements: list[dict], rounds: list[dict], noisy_cores: float) -> dict:
+    """How steady the machine was: the page reads taken beside every decode repetition (their
+    spread, and two regimes when they fall into two clusters), and the rounds in which other
+    processes used the CPU."""
+    reads = sorted(v for m in measurements for pair in (m["samples"].get("read_gb_s") or [])
+                   if pair for v in pair)
+    out = {"n_reads": len(reads), "n_rounds": len(rounds),
+           "disturbed_rounds": [r["round"] for r in rounds
+                                if (r.get("idle_other_cores") or 0) > noisy_cores]}
+    if len(reads) < 2:
+        return out
+    out |= {"read_min": reads[0], "read_max": reads[-1], "read": summarize(reads)}
+    gaps = [(reads[i + 1] / reads[i] - 1, i) for i in range(len(reads) - 1) if reads[i] > 0]
+    gap, i = max(gaps, default=(0.0, 0))
+    tenth = max(len(reads) // 10, 1)
+    if gap > REGIME_GAP and tenth <= i + 1 <= len(reads) - tenth:
+        slow, fast = reads[:i + 1], reads[i + 1:]
+        out["regimes"] = [{"median_gb_s": center(summarize(x)), "share": len(x) / len(reads)}
+                          for x in (slow, fast)]
+    return out
+
+
 def probe_errors(probes: list[dict]) -> list[str]:
     """Every probe failure and every weight type a probe could not measure, once each."""
     out = [p["error"] for p in probes if p.get("error")]
@@ -426,7 +483,8 @@ def probe_errors(probes: list[dict]) -> list[str]:
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
-            table: dict[str, dict[str, float]]) -> dict:
+            table: dict[str, dict[str, float]], rounds: list[dict] | None = None,
+            noisy_cores: float = 0.10) -> dict:
     """Everything the rule-of-thumb section of a report shows."""
     decode = decode_rows(measurements, models, probes)
     prefill = prefill_rows(measurements, models, probes)
@@ -440,4 +498,5 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "decode": decode, "fits": fits, "prefill": prefill,
         "predictions": predictions(fits, decode, models, table),
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
+        "stability": stability(measurements, rounds or [], noisy_cores),
     }

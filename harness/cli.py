@@ -90,7 +90,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     from .results import RunWriter
     from .runner import Console, preflight, run_scenario
     from .scenario import load_scenario
-    from .tables import render_analysis, render_summary
+    from .tables import render_analysis, render_summary, round_line
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
@@ -100,23 +100,21 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         done = len(writer.records.measured_ids & {m.id for m in plan.measurements})
         click.echo(f"{plan.title}: {len(plan.measurements)} measurements ({done} done) "
                    f"-> {run_dir}", err=True)
-        with click.progressbar(length=len(plan.measurements), label="measuring",
-                               show_eta=True, show_pos=True, file=sys.stderr) as bar:
-            bar.update(done)
-            console = Console(warn=lambda msg: click.echo(f"\nwarning: {msg}", err=True),
-                              info=lambda msg: click.echo(f"\n{msg}", err=True),
-                              advance=lambda record: bar.update(1))
-            try:
-                analysis = _interruptible(lambda: run_scenario(
-                    plan, writer, env_info, strict=strict, cache_dir=cache_dir,
-                    console=console, argv=sys.argv))
-            except (KeyboardInterrupt, HarnessError) as exc:
-                n = len(writer.records.measured_ids)
-                what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
-                click.echo(f"\n{what}: {n} of {len(plan.measurements)} measurements kept in "
-                           f"{run_dir}; resume with: harness run {scenario} --out {run_dir} "
-                           f"--resume", err=True)
-                raise
+        console = Console(warn=lambda msg: click.echo(f"warning: {msg}", err=True),
+                          info=lambda msg: click.echo(msg, err=True),
+                          round=lambda progress: click.echo(round_line(progress), err=True))
+        try:
+            analysis = _interruptible(lambda: run_scenario(
+                plan, writer, env_info, strict=strict, cache_dir=cache_dir,
+                console=console, argv=sys.argv))
+        except (KeyboardInterrupt, HarnessError) as exc:
+            n = len(writer.records.measured_ids)
+            what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+            click.echo(f"\n{what}: {n} of {len(plan.measurements)} measurements and "
+                       f"{len(writer.records.repetitions)} repetitions kept in {run_dir}; "
+                       f"resume with: harness run {scenario} --out {run_dir} --resume",
+                       err=True)
+            raise
         click.echo(render_summary(writer.records.measurements))
         click.echo("\n" + render_analysis(analysis))
         from .reportio import write_report
@@ -139,13 +137,13 @@ def check(scenario: Path, cache_dir: Path | None) -> None:
     from .env import physical_cores
     from .runner import plan_summary, preflight
     from .scenario import load_scenario
-    from .tables import test_label
+    from .tables import repetitions_label, test_label
 
     plan = load_scenario(scenario, physical_cores())
     preflight(plan, list(plan.measurements), cache_dir)
     for m in plan.measurements:
         click.echo(f"{m.id}  ({m.model.label} {m.model.dtype}, {m.settings.threads} threads, "
-                   f"{test_label(_lever_fields(m))}, {m.settings.repetitions} + "
+                   f"{test_label(_lever_fields(m))}, {repetitions_label(m.settings.policy)} + "
                    f"{m.settings.warmup} warm-up)")
     summary = plan_summary(plan, cache_dir)
     click.echo(f"{plan.title}: {len(plan.measurements)} measurements of "

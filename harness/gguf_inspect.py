@@ -65,3 +65,10 @@ def tensor_table(path: Path) -> list[TensorEntry]:
     return [TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name,
                         int(t.n_bytes)) for t in reader.tensors]
 
+
+
+def tensor_data_span(path: Path) -> tuple[int, int]:
+    """Where a GGUF file's tensor data starts, and its bytes to the end of the file."""
+    reader = _reader(path)
+    start = min((int(t.data_offset) for t in reader.tensors), default=0)
+    return start, path.stat().st_size - start

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from .analysis import combined_ceiling, is_plain
+from .analysis import combined_ceiling, is_plain, rep_rates, span
 from .costs import (
     decode_n_bytes_per_token,
     kv_n_bytes_per_token,
@@ -13,7 +13,7 @@ from .costs import (
     mean_decode_context,
 )
 from .specs import ModelSpec
-from .stats import center
+from .stats import center, summarize
 
 KNEE_TOLERANCE = 0.02  # the knee: the fewest threads within 2% of the best
 KV_MEMORY_USERS = (1, 8, 32, 128)
@@ -60,9 +60,10 @@ def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
             row = by_dtype.setdefault(m["dtype"], {"model": m["model"], "dtype": m["dtype"],
                                                    "threads": m["threads"]})
             if m["n_gen"] and "decode_tok_s" not in row:
-                row["decode_tok_s"] = m["decode_tok_s"]
+                row["decode_tok_s"], row["_decode"] = m["decode_tok_s"], m
             if m["n_gen"] == 0 and m.get("prefill_tok_s") and "prefill_tok_s" not in row:
                 row["prefill_tok_s"], row["n_prompt"] = m["prefill_tok_s"], m["n_prompt"]
+                row["_prefill"] = m
         if len(by_dtype) < 2:
             continue
         for dtype, row in by_dtype.items():
@@ -80,11 +81,34 @@ def _speedups(rows: list[dict]) -> list[dict]:
         r["baseline"] = base["dtype"]
         r["byte_reduction"] = base["bytes_per_token"] / r["bytes_per_token"]
         for phase in ("decode", "prefill"):
-            ours, theirs = _mean(r.get(f"{phase}_tok_s")), _mean(base.get(f"{phase}_tok_s"))
-            r[f"{phase}_speedup"] = ours / theirs if ours and theirs else None
+            ours, theirs = r.get(f"_{phase}"), base.get(f"_{phase}")
+            ratio = round_ratio(ours, theirs, phase) if ours and theirs else None
+            r[f"{phase}_speedup"] = center(ratio)
+            r[f"{phase}_speedup_ci"] = ratio
         r["speedup_per_byte_reduction"] = (r["decode_speedup"] / r["byte_reduction"]
                                            if r["decode_speedup"] else None)
+    for r in rows:
+        r.pop("_decode", None)
+        r.pop("_prefill", None)
     return sorted(rows, key=lambda r: -r["bytes_per_token"])
+
+
+def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
+    """a's rate ÷ b's, round by round where both ran a repetition (drift between rounds
+    cancels), summarized with its own CI; for runs without rounds, the ratio of medians."""
+    pairs = {}
+    for m, side in ((a, 0), (b, 1)):
+        for rnd, rate in zip((m.get("samples") or {}).get("rounds") or [], rep_rates(m, phase),
+                             strict=False):
+            if rnd is not None and rate:
+                pairs.setdefault(rnd, [None, None])[side] = rate
+    ratios = [x / y for x, y in pairs.values() if x and y]
+    if len(ratios) >= 2:
+        return summarize(ratios) | {"paired": True}
+    ours, theirs = center(a.get(f"{phase}_tok_s")), center(b.get(f"{phase}_tok_s"))
+    if not ours or not theirs:
+        return None
+    return {"n": 1, "median": ours / theirs, "mean": ours / theirs, "paired": False}
 
 
 # --- KV cache depth and type -------------------------------------------------------------
@@ -178,9 +202,9 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
     model, b = models[m["model_key"]], m.get("parallel", 1)
     spec = _spec(models, m)
     weight_n_bytes = model["decode_weight_n_bytes"]
-    bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, m["seq"], m["threads"],
+    bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m), m["threads"],
                           "stream_gb_s")["value"]
-    peak = combined_ceiling(model.get("matmul_type_n_params"), probes, m["seq"], m["threads"],
+    peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m), m["threads"],
                             "compute_gflop_s")["value"]
     # One step multiplies every weight matrix by B vectors (2 FLOPs per weight per sequence,
     # plus each sequence's row of logits) and reads each sequence's own KV cache, attending
@@ -201,7 +225,8 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
     return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "parallel": b,
             "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")
             or m["decode_tok_s"], "ms_per_step": m["decode_ms_per_token"],
-            "speedup": agg / _mean(base["decode_tok_s"]) if base else None,
+            "speedup": center(ratio := round_ratio(m, base, "decode") if base else None),
+            "speedup_ci": ratio,
             "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
             "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
             "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
@@ -235,12 +260,13 @@ def _thread_group(phase: str, key: str, group: list[dict], rows_by_id: dict) -> 
     base_ceiling = rows_by_id[base["id"]][2]["value"]
     out = []
     for m in group:
-        speedup = _mean(m[key]) / _mean(base[key])
+        ratio = round_ratio(m, base, phase)
+        speedup = center(ratio)
         _, share, ceiling = rows_by_id[m["id"]]
         c = ceiling["value"]
         out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
                     "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],
-                    "tok_s": m[key], "speedup": speedup,
+                    "tok_s": m[key], "speedup": speedup, "speedup_ci": ratio,
                     "efficiency": speedup * base["threads"] / m["threads"],
                     "ceiling": "compute_gflop_s" if phase == "prefill" else "stream_gb_s",
                     "ceiling_value": c, "share_of_ceiling": share,

@@ -529,6 +529,10 @@ class KernelProbe:
         return {"samples_gflop_s": [mm.flops / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
 
+    def layout(self, type_name: str) -> str:
+        """The buffer type weights of this type live in: CPU_REPACK or CPU."""
+        return self._matmul(type_name, "stream").layout
+
     def _run(self, mm: _MatMul, n_threads: int, passes: int) -> list[float]:
         """One untimed warm pass, then `passes` timed ones (seconds each)."""
         g = self.g

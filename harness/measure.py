@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 
 import numpy as np
@@ -46,31 +45,60 @@ def context_params(m: Measurement):
     return ContextParams(n_ctx=max(m.n_ctx, 16 * m.parallel), n_seq_max=m.parallel, **common)
 
 
-def measure(model, m: Measurement, info: dict, seed: int, gate: Callable[[str], float]) -> dict:
-    """Warm up, then time every repetition of one measurement; return its record."""
-    from .llama import check_abort, open_context
+class Cell:
+    """One measurement's context, alive across the rounds of a run: set up and warmed up once
+    (every new context gets its untimed warm-up), then one timed repetition per round."""
 
-    s = m.settings
-    idle = gate(f"before {m.id}")
-    started = now_iso()
-    with open_context(model, context_params(m)) as ctx:
+    def __init__(self, model, m: Measurement, seed: int, pages=None) -> None:
+        from .llama import Context
+
+        self.m, self.pages = m, pages
+        self.started = now_iso()
+        self.ctx = Context(model, context_params(m))
         rng = np.random.default_rng([seed, m.n_prompt, m.n_gen, m.depth, m.parallel,
                                      m.shared_prefix])
         try:
-            setup, repetition = WORKLOADS[m.kind](ctx, m, rng)
-            warmups = [repetition() for _ in range(s.warmup)]
-            before = noise.snapshot()
-            reps = []
-            for _ in range(s.repetitions):
-                check_abort()
-                reps.append(repetition())
-            during = noise.other_cores(before, noise.snapshot())
-            setup["flash_attn_used"] = ctx.flash_attn_used
+            self.setup, self._repetition = WORKLOADS[m.kind](self.ctx, m, rng)
+            self.setup["flash_attn_used"] = self.ctx.flash_attn_used
+            self.warmups = [self._repetition(0) for _ in range(m.settings.warmup)]
         except MeasurementError as exc:
-            exc.step = f"{exc.step} in {m.id}" if exc.step != "run" else f"measure {m.id}"
-            raise
-    return make_record(m, info, warmups, reps, setup,
-                       {"idle_other_cores": idle, "during_other_cores": during}, started)
+            self.close()
+            raise _named(exc, m) from None
+
+    def run(self, round_index: int, position: int) -> dict:
+        """One timed repetition; a decode is bracketed by reads of the model's own pages."""
+        from .llama import check_abort
+
+        check_abort()
+        reads = []
+        before = noise.snapshot()
+        try:
+            if self.pages is not None and self.m.n_gen:
+                reads.append(self.pages.read(self.m.settings.threads))
+            rep = self._repetition(round_index)
+            if self.pages is not None and self.m.n_gen:
+                reads.append(self.pages.read(self.m.settings.threads))
+        except MeasurementError as exc:
+            raise _named(exc, self.m) from None
+        return rep | {"round": round_index, "position": position, "read_gb_s": reads or None,
+                      "during_other_cores": noise.other_cores(before, noise.snapshot())}
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+def target_samples(m: Measurement, reps: list[dict]) -> list[float]:
+    """The per-repetition figure a cell's confidence target is on: tok/s of its decode when
+    it decodes, else of its prefill (time to first token, for a prefix test)."""
+    if m.n_gen:
+        return rates(m.parallel * m.n_gen, [sum(r["decode_s"]) for r in reps if r["decode_s"]])
+    n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
+    return rates(n_prefill, [r["prefill_s"] for r in reps if r["prefill_s"]])
+
+
+def _named(exc: MeasurementError, m: Measurement) -> MeasurementError:
+    exc.step = f"{exc.step} in {m.id}" if exc.step != "run" else f"measure {m.id}"
+    return exc
 
 
 def _tokens(rng, n_vocab: int, shape) -> list:
@@ -92,10 +120,12 @@ def _single(ctx, m: Measurement, rng):
     if m.depth:
         setup["depth_fill_s"] = ctx.prefill(_tokens(rng, ctx.n_vocab, m.depth))
 
-    def repetition() -> dict:
+    def repetition(round_index: int) -> dict:
         out = {}
-        if m.depth:
+        baseline_first = round_index % 2 == 0  # ABBA: the pair's order alternates by round
+        if m.depth and baseline_first:
             out["baseline_decode_s"] = _baseline(ctx, m, prompt, gen)
+        if m.depth:
             ctx.trim(0, m.depth)  # back to exactly the filled depth
             _expect_cached(ctx, 0, m.depth, "after trimming to the depth")
             ctx.reset_perf()
@@ -103,17 +133,21 @@ def _single(ctx, m: Measurement, rng):
             ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
         prefill_s = ctx.prefill(prompt) if prompt else None
         decode_s = ctx.decode(gen) if gen else []
+        perf = asdict(ctx.perf())
         n_cached = m.depth + m.n_prompt + m.n_gen
         _expect_cached(ctx, 0, n_cached, "after the repetition")
-        return out | {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf()),
+        if m.depth and not baseline_first:
+            out["baseline_decode_s"] = _baseline(ctx, m, prompt, gen)
+        return out | {"prefill_s": prefill_s, "decode_s": decode_s, "perf": perf,
                       "n_cached": n_cached}
 
     return setup, repetition
 
 
 def _baseline(ctx, m: Measurement, prompt: list, gen: list) -> list[float]:
-    """The same prompt and decode from an empty sequence (seq 1) in the same context, just
-    before the timed work at depth: the pair's ratio is the slowdown, free of drift."""
+    """The same prompt and decode from an empty sequence (seq 1) in the same context, beside
+    the timed work at depth (before it in even rounds, after it in odd ones): the pair's ratio
+    is the slowdown, free of drift."""
     ctx.trim(1, 0)
     if prompt:
         ctx.prefill_seqs([prompt], first_seq=1)
@@ -127,7 +161,7 @@ def _batched(ctx, m: Measurement, rng):
     prompts = [_tokens(rng, ctx.n_vocab, m.n_prompt) for _ in range(m.parallel)]
     steps = _tokens(rng, ctx.n_vocab, (m.n_gen, m.parallel))
 
-    def repetition() -> dict:
+    def repetition(round_index: int) -> dict:
         ctx.clear()
         prefill_s = ctx.prefill_seqs(prompts) if m.n_prompt else None
         decode_s = ctx.decode_parallel(steps, m.n_prompt) if m.n_gen else []
@@ -148,7 +182,7 @@ def _prefix_cache(ctx, m: Measurement, rng):
     state = ctx.save_seq(0)
     n_prefix = m.shared_prefix
 
-    def repetition() -> dict:
+    def repetition(round_index: int) -> dict:
         ctx.clear()
         recompute_s = ctx.prefill(prefix + question)
         ctx.trim(0, n_prefix)
@@ -173,8 +207,11 @@ WORKLOADS = {"single": _single, "batched": _batched, "prefix_cache": _prefix_cac
 
 
 def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict],
-                setup: dict, noise_reading: dict, started: str) -> dict:
+                setup: dict, noise_reading: dict, started: str, run: dict | None = None) -> dict:
+    """The measurement record of a cell: every repetition's raw samples in round order, and
+    their summaries; run: how its rounds went (policy, why it stopped, its span of records)."""
     s = m.settings
+    reps = sorted(reps, key=lambda r: (r.get("round", 0), r.get("position", 0)))
     record = {
         "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
         "model_key": m.model.key, "dtype": m.model.dtype,
@@ -182,17 +219,20 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
         "flash_attn": s.flash_attn, "flash_attn_used": setup.get("flash_attn_used"),
         "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,
-        "shared_prefix": m.shared_prefix, "repetitions": s.repetitions, "warmup": s.warmup,
+        "shared_prefix": m.shared_prefix, "repetitions": len(reps), "warmup": s.warmup,
         "n_params": info["n_params"], "model_bytes": info["model_n_bytes"],
         "setup": setup,
         "samples": {"prefill_s": [r["prefill_s"] for r in reps if r["prefill_s"] is not None],
                     "decode_s": [r["decode_s"] for r in reps],
                     "perf": [r["perf"] for r in reps],
-                    "n_cached": [r.get("n_cached") for r in reps]},
+                    "n_cached": [r.get("n_cached") for r in reps],
+                    "rounds": [r.get("round") for r in reps],
+                    "positions": [r.get("position") for r in reps],
+                    "read_gb_s": [r.get("read_gb_s") for r in reps]},
         "warmup_samples": {"prefill_s": [r["prefill_s"] for r in warmups],
                            "decode_s": [r["decode_s"] for r in warmups]},
         "noise": noise_reading, "started": started, "finished": now_iso(),
-    }
+    } | (run or {})
     if m.depth:
         record["samples"]["baseline_decode_s"] = [r["baseline_decode_s"] for r in reps]
         record["warmup_samples"]["baseline_decode_s"] = [r["baseline_decode_s"]

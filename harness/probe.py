@@ -130,6 +130,31 @@ def _kernels(kp, n_threads: int, dtypes: list[str], passes: dict, phases: tuple[
     return out
 
 
+class PageReader:
+    """A read of the pages a decode step reads: the model file's own tensor data as llama.cpp
+    maps it (the same page-cache pages), or an anonymous buffer of the same size when llama.cpp
+    copies most of the weights into its own repacked buffers at load."""
+
+    CAP_N_BYTES = 1 << 30  # a few hundred ms at most, even at 5 GB/s
+
+    def __init__(self, path=None, offset: int = 0, n_bytes: int = 0) -> None:
+        n = min(n_bytes, self.CAP_N_BYTES) // 4
+        if path is not None:
+            self.array = np.memmap(path, dtype=np.int32, mode="r", offset=offset, shape=(n,))
+            self.source = "the model's mapped weight pages"
+        else:
+            self.array = np.ones(n, dtype=np.int32)  # written: no zero page
+            self.source = "an anonymous buffer (llama.cpp repacks these weights at load)"
+        self.read(1)  # map every page once, untimed
+
+    def read(self, n_threads: int) -> float:
+        """GB/s of one pass over the pages with n_threads threads."""
+        a = self.array
+        edges = [a.size * i // n_threads for i in range(n_threads + 1)]
+        seconds = _parallel(n_threads, lambda i: a[edges[i]:edges[i + 1]].max())
+        return a.nbytes / seconds / 1e9
+
+
 class Prober:
     """The ceilings of one run: the full set at its ends, a short probe beside every
     measurement. Holds the probe matrices so a probe beside a measurement costs no set-up."""
@@ -170,6 +195,13 @@ class Prober:
         return {"array_n_bytes": self._read_array.nbytes, "passes": BESIDE,
                 "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": sorted(set(dtypes)),
                 "threads": {str(n_threads): result}, "seconds": time.perf_counter() - start}
+
+    def layout(self, dtype: str) -> str | None:
+        """Where llama.cpp keeps weights of this type at load (CPU_REPACK or CPU)."""
+        try:
+            return self.kernels.layout(dtype)
+        except (MeasurementError, MemoryError):
+            return None
 
     def close(self) -> None:
         self.kernels.close()

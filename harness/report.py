@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .noise import NOISY_CORES
 from .stats import UNSTABLE_CV, center, inverse
+from .tables import test_label
 
 GIB = 2**30
 PLOTS = {
@@ -63,7 +64,7 @@ def _notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) ->
             cv = (record.get(f"{phase}_tok_s") or {}).get("cv") or 0
             out.append(f"⚠ {phase} unsteady: repetitions varied by {cv:.1%} (CV), more than "
                        f"{UNSTABLE_CV:.0%}")
-        elif flag == "noisy":
+        elif flag == "noisy" and record.get("noise"):
             n = record["noise"]
             worst = max(n["idle_other_cores"], n.get("during_other_cores") or 0)
             out.append(f"⚠ noisy: other processes used {worst:.2f} cores (> {NOISY_CORES})")
@@ -171,11 +172,56 @@ def ceilings_table(analysis: dict) -> Table:
              "matrix times a 512-column activation. Beside: the range of the short probes "
              "taken right before each measurement (how many in brackets)."]
     notes += [f"Probe failed: {e}; that ceiling is missing." for e in analysis["probe_errors"]]
+    notes += stability_lines(analysis.get("stability") or {})
     return Table("ceilings", "Measured ceilings of this machine", [
         Column("threads", "threads", "int"), Column("ceiling", "what"),
         Column("layout", "layout"), Column("before the run", "before", "f1"),
         Column("after the run", "after", "f1"), Column("change", "drift", "spct"),
         Column("beside the measurements", "beside")], rows, notes)
+
+
+def stability_lines(st: dict) -> list[str]:
+    """How steady the machine was during the run, in words from the run's own readings."""
+    out = []
+    if st.get("n_reads", 0) >= 2:
+        text = (f"Machine stability: the {st['n_reads']} reads of the model's pages beside the "
+                f"decode repetitions ranged {st['read_min']:.1f}–{st['read_max']:.1f} GB/s "
+                f"(CV {st['read']['cv']:.0%})")
+        regimes = st.get("regimes")
+        if regimes:
+            text += ("; they fell into two regimes, " + " and ".join(
+                f"about {r['median_gb_s']:.0f} GB/s ({r['share']:.0%} of the reads)"
+                for r in regimes))
+        out.append(text + ".")
+    if st.get("n_rounds"):
+        bad = st["disturbed_rounds"]
+        out.append(f"{len(bad)} of {st['n_rounds']} rounds began with other processes using "
+                   "the CPU" + (f" (rounds {', '.join(str(r + 1) for r in bad[:10])})"
+                                if bad else "") + ".")
+    return out
+
+
+def repetitions_table(measurements: list[dict]) -> Table:
+    """How each interleaved cell ended: its repetitions, why it stopped, the CI it reached."""
+    words = {"target": "reached its CI target", "budget": "time budget", "max":
+             "max_repetitions", "fixed": "fixed count"}
+    rows = [{"cell": f"{m['model']} {m['dtype']} t{m['threads']} {test_label(m)}",
+             "n": m["repetitions"], "stopped": words.get(m["stopped_by"], m["stopped_by"]),
+             "target": (m.get("policy") or {}).get("target_ci")
+             if (m.get("policy") or {}).get("repetitions") is None else None,
+             "reached": m.get("ci_reached")} for m in measurements if m.get("stopped_by")]
+    notes = ["Every round runs one repetition of every cell still going, in a shuffled order, "
+             "so slow and fast spells of the machine hit every cell alike. CI reached: half-"
+             "width of the 95% confidence interval of the median, relative to it (– under 6 "
+             "repetitions, too few for 95%)."]
+    budget = [r for r in rows if r["stopped"] == "time budget"]
+    if budget:
+        notes.append(f"{len(budget)} of {len(rows)} cells stopped at the time budget before "
+                     "reaching their target.")
+    return Table("repetitions", "Repetitions: how each measurement ended", [
+        Column("cell", "cell"), Column("repetitions", "n", "int"),
+        Column("stopped by", "stopped"), Column("target ±", "target", "pct1"),
+        Column("CI reached ±", "reached", "pct1")], rows, notes)
 
 
 def workloads_table(analysis: dict) -> Table:
@@ -245,6 +291,7 @@ def report_data(records, analysis: dict) -> dict:
     tables = [prefill_table(records.measurements, analysis),
               decode_table(records.measurements, analysis), ceilings_table(analysis)]
     tables += [workloads_table(analysis)] + estimates_table(analysis)
+    tables += [repetitions_table(records.measurements)]
     from .report_levers import lever_tables
 
     tables += lever_tables(analysis)
@@ -260,7 +307,8 @@ def report_data(records, analysis: dict) -> dict:
 _FORMATS = {
     "int": lambda v: f"{v:,}",
     "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",
-    "pct": lambda v: f"{v:.0%}", "spct": lambda v: f"{v:+.1%}", "x": lambda v: f"{v:.2f}×",
+    "pct": lambda v: f"{v:.0%}", "pct1": lambda v: f"{v:.1%}", "spct": lambda v: f"{v:+.1%}",
+    "x": lambda v: f"{v:.2f}×",
     "gib": lambda v: f"{v / GIB:.2f}", "gib3": lambda v: f"{v / GIB:.3f}",
     "gb": lambda v: f"{v / 1e9:.2f}",
     "mib": lambda v: f"{v / 2**20:,.1f}", "kib": lambda v: f"{v / 2**10:,.1f}",

@@ -22,9 +22,9 @@ def quant_tables(analysis: dict) -> list[Table]:
         Column("read per token (GiB)", "bytes_per_token", "gib"),
         Column("byte reduction", "byte_reduction", "x"),
         Column("decode tok/s", "decode_tok_s", "stat"),
-        Column("decode speed-up", "decode_speedup", "x"),
+        Column("decode speed-up (×)", "decode_speedup_ci", "stat2"),
         Column("prefill tok/s", "prefill_tok_s", "stat"),
-        Column("prefill speed-up", "prefill_speedup", "x"),
+        Column("prefill speed-up (×)", "prefill_speedup_ci", "stat2"),
         Column("speed-up ÷ byte reduction", "speedup_per_byte_reduction", "f2")], rows,
         [f"Speed-ups and byte reductions are against {rows[0]['baseline'].upper()} of the same "
          "model. If decode were purely bandwidth-bound, its speed-up would equal the byte "
@@ -128,7 +128,8 @@ def batching_table(analysis: dict) -> list[Table]:
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("sequences", "parallel", "int"), Column("aggregate tok/s", "tok_s", "stat"),
         Column("per-sequence tok/s", "per_sequence_tok_s", "stat"),
-        Column("ms/step", "ms_per_step", "stat"), Column("speed-up", "speedup", "x"),
+        Column("ms/step", "ms_per_step", "stat"),
+        Column("speed-up (×)", "speedup_ci", "stat2"),
         Column("weight MiB read per token served", "weight_n_bytes_per_token", "mib"),
         Column("roofline bound tok/s", "bound_tok_s", "f1"),
         Column("share of bound", "share_of_bound", "pct")], rows, batching_notes(rows))]
@@ -203,7 +204,7 @@ def threads_table(analysis: dict) -> list[Table]:
     return [Table("threads", "Threads: how prefill and decode scale", [
         Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
         Column("test", "test"), Column("threads", "threads", "int"),
-        Column("tok/s", "tok_s", "stat"), Column("speed-up", "speedup", "x"),
+        Column("tok/s", "tok_s", "stat"), Column("speed-up (×)", "speedup_ci", "stat2"),
         Column("efficiency", "efficiency", "pct"), Column("ceiling", "ceiling_name"),
         Column("ceiling speed-up", "ceiling_speedup", "x"),
         Column("share of ceiling", "share_of_ceiling", "pct"), Column("", "knee_mark")],
@@ -228,7 +229,7 @@ def _ceiling_notes(rows: list[dict]) -> list[str]:
             continue
         lo = min(group, key=lambda r: r["threads"])
         hi = max(group, key=lambda r: r["threads"])
-        speedup = center(hi["tok_s"]) / center(lo["tok_s"])
+        speedup = hi["speedup"] / lo["speedup"]
         text = (f"Measured here: {phase} reached {lo['share_of_ceiling']:.0%} of its ceiling "
                 f"at {_threads(lo['threads'])} and {hi['share_of_ceiling']:.0%} at "
                 f"{_threads(hi['threads'])}, a {speedup:.2f}× speed-up")

@@ -25,6 +25,8 @@ class Records:
     failures: list[dict] = field(default_factory=list)
     probes: list[dict] = field(default_factory=list)
     analyses: list[dict] = field(default_factory=list)
+    repetitions: list[dict] = field(default_factory=list)  # one per timed repetition
+    rounds: list[dict] = field(default_factory=list)
     n_records: int = 0
     other: list[dict] = field(default_factory=list)
     truncated_bytes: int = 0  # a partial last line (a crash mid-write) is skipped
@@ -75,7 +77,8 @@ def _resummarized(record: dict, path: Path, number: int) -> dict:
 
 
 # The keys each record type is filed by; a line without them was not written by a run.
-_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("scenario",)}
+_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("scenario",),
+             "repetition": ("id", "round", "rep"), "round": ("round",)}
 
 
 def _well_formed(record: object) -> bool:
@@ -100,6 +103,10 @@ def _file(records: Records, record: dict) -> None:
         records.probes.append(record)
     elif kind == "analysis":
         records.analyses.append(record)
+    elif kind == "repetition":
+        records.repetitions.append(record)
+    elif kind == "round":
+        records.rounds.append(record)
     else:
         records.other.append(record)
 

@@ -28,8 +28,9 @@ from .dtypes import DTYPES
 from .env import available_ram_bytes
 from .errors import HarnessError, MeasurementError
 from .gguf_inspect import spec_from_gguf, tensor_table
-from .measure import measure, now_iso
+from .measure import now_iso, target_samples
 from .results import SCHEMA_VERSION, RunWriter
+from .rounds import group_by_memory, relative_ci, round_order, stop_reason
 from .scenario import Measurement, ModelRef, Scenario
 from .specs import ModelSpec, resolve_spec
 
@@ -46,7 +47,8 @@ class Console:
 
     warn: Callable[[str], None] = lambda msg: print(f"warning: {msg}", file=sys.stderr)
     info: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
-    advance: Callable[[dict], None] = lambda record: None
+    advance: Callable[[dict], None] = lambda record: None  # a cell finished: its record
+    round: Callable[[dict], None] = lambda progress: None  # a round ended: how it stands
 
 
 def pending(scenario: Scenario, done: set[str]) -> list[Measurement]:
@@ -79,7 +81,8 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
         dtypes = sorted({t for types in files.values() for t in types[1]})
         with _RunProber(writer, console, prober_factory, dtypes) as prober:
             prober.full("before", threads)
-            _measure_all(todo, writer, scenario, strict, files, prober, console)
+            for group in _groups(todo, writer, console):
+                _Rounds(group, writer, scenario, strict, files, prober, console).run()
             prober.full("after", threads)
     analysis = analyze_records(writer.records)
     writer.append(analysis)
@@ -95,7 +98,8 @@ def analyze_records(records) -> dict:
         table = prediction_table(all_specs())
     except HarnessError:
         table = {}
-    return analyze(records.measurements, records.models, records.probes, table)
+    return analyze(records.measurements, records.models, records.probes, table,
+                   records.rounds, noise.NOISY_CORES)
 
 
 class _RunProber:
@@ -117,11 +121,29 @@ class _RunProber:
                           "measurements)")
         self._record({"when": when, "threads": threads}, lambda p: p.full(threads))
 
-    def beside(self, m: Measurement, dtypes: list[str]) -> None:
-        phases = tuple(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
-                                                            or m.shared_prefix)) if on)
-        self._record({"when": "beside", "for": m.id, "threads": [m.settings.threads]},
-                     lambda p: p.beside(m.settings.threads, dtypes, phases))
+    def beside(self, round_index: int, needs: dict[int, tuple[set, set]]) -> None:
+        """Before a round: per thread count, the types and phases its cells need."""
+        for threads, (dtypes, phases) in sorted(needs.items()):
+            self._record({"when": "beside", "round": round_index, "threads": [threads]},
+                         lambda p, t=threads, d=dtypes, ph=phases: p.beside(
+                             t, sorted(d), tuple(x for x in ("stream", "compute") if x in ph)))
+
+    def pages(self, path: Path, dtypes: list[str], decode_n_bytes: dict[str, int]):
+        """The reader a decode repetition is bracketed by: the model's mapped pages, or an
+        anonymous buffer when most of its bytes are repacked at load (None if it cannot)."""
+        from .gguf_inspect import tensor_data_span
+        from .probe import PageReader
+
+        try:
+            offset, n_bytes = tensor_data_span(path)
+            repacked = sum(n for t, n in decode_n_bytes.items()
+                           if self.prober is not None and self.prober.layout(t) == "CPU_REPACK")
+            if repacked * 2 > sum(decode_n_bytes.values()):
+                return PageReader(None, 0, n_bytes)
+            return PageReader(path, offset, n_bytes)
+        except (MemoryError, OSError, ValueError) as exc:
+            self.console.warn(f"no page reads beside decode of {path.name} ({exc})")
+            return None
 
     def _record(self, record: dict, work) -> None:
         record = {"type": "probe", "at": now_iso()} | record
@@ -169,14 +191,167 @@ def _record_failure(writer: RunWriter, key: str, exc: MeasurementError,
     console.warn(f"{key}: {exc.render()}; going on with the next model")
 
 
-def _measure_all(todo: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
-                 files: dict, prober: _RunProber, console: Console) -> None:
-    for key, group in groupby(todo, key=lambda m: m.model.key):
-        group = list(group)
+def _groups(todo: list[Measurement], writer: RunWriter, console: Console
+            ) -> list[list[Measurement]]:
+    """The run's cells, in groups whose models and contexts fit in RAM together (one group
+    when everything fits: every cell then interleaves with every other)."""
+    needs = dict(_memory_by_model(todo, all_contexts=True))
+    keys = group_by_memory(needs, available_ram_bytes())
+    if len(keys) > 1:
+        writer.append({"type": "grouping", "groups": keys, "at": now_iso(),
+                       "why": "the models and their contexts do not fit in RAM together"})
+        console.info(f"interleaving in {len(keys)} groups (RAM): "
+                     + "; ".join(", ".join(g) for g in keys))
+    return [[m for m in todo if m.model.key in group] for group in keys]
+
+
+class _Rounds:
+    """Interleaved rounds over one group of cells: every model loaded and every cell's context
+    kept alive; each round runs one repetition of every cell still going, in a shuffled order;
+    a cell leaves when its policy says so, and its measurement record is written then."""
+
+    def __init__(self, todo: list[Measurement], writer: RunWriter, scenario: Scenario,
+                 strict: bool, files: dict, prober: _RunProber, console: Console) -> None:
+        self.todo, self.writer, self.scenario = todo, writer, scenario
+        self.strict, self.files, self.prober, self.console = strict, files, prober, console
+        self.models, self.pages, self.cells, self.infos = {}, {}, {}, {}
+        self.failed: set[str] = set()
+        self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]
+                     for m in todo}
+        self.spent_s = max((r.get("elapsed_s", 0.0) for r in writer.records.repetitions),
+                           default=0.0)
+        self.clock = time.monotonic()
+
+    def run(self) -> None:
         try:
-            _run_model(group, writer, scenario, strict, files[key], prober, console)
-        except MeasurementError as exc:
-            _record_failure(writer, key, exc, group, console)
+            active = self._load()
+            round_index = self._first_round(active)
+            if round_index:  # resumed: cells whose repetitions were all done leave first
+                active = self._finish(active, round_index - 1)
+            while active:
+                self._round(round_index, active)
+                active = self._finish(active, round_index)
+                round_index += 1
+        finally:
+            for cell in self.cells.values():
+                cell.close()
+            for model in self.models.values():
+                model.close()
+
+    def _load(self) -> list[Measurement]:
+        from .llama import Model
+
+        for key in dict.fromkeys(m.model.key for m in self.todo):
+            path, dtypes = self.files[key]
+            ref = next(m.model for m in self.todo if m.model.key == key)
+            _noise_gate(f"before loading {ref.label}", self.strict, self.console)
+            try:
+                self.models[key] = Model(path)
+            except MeasurementError as exc:
+                exc.step = "load"
+                _record_failure(self.writer, key, exc, [m for m in self.todo
+                                                        if m.model.key == key], self.console)
+                continue
+            self.infos[key] = _model_record(self.writer, ref, path, self.models[key])
+            self.pages[key] = self.prober.pages(path, dtypes,
+                                                self.infos[key]["decode_type_n_bytes"])
+        return [m for m in self.todo if m.model.key in self.models]
+
+    def _first_round(self, active: list[Measurement]) -> int:
+        """Where a resumed run goes on: the last round if some active cell still lacks its
+        repetition there, else the one after (0 for a new run)."""
+        rounds = [r["round"] for reps in self.reps.values() for r in reps]
+        if not rounds:
+            return 0
+        last = max(rounds)
+        missing = any(all(r["round"] != last for r in self.reps[m.id]) for m in active)
+        return last if missing else last + 1
+
+    def _round(self, round_index: int, active: list[Measurement]) -> None:
+        order = round_order([m.id for m in active], self.scenario.seed, round_index)
+        idle = _noise_gate(f"before round {round_index}", self.strict, self.console)
+        needs: dict[int, tuple[set, set]] = {}
+        for m in active:
+            dtypes, phases = needs.setdefault(m.settings.threads, (set(), set()))
+            dtypes.update(self.files[m.model.key][1])
+            phases.update(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
+                                                                or m.shared_prefix)) if on)
+        self.prober.beside(round_index, needs)
+        self.writer.append({"type": "round", "round": round_index, "order": order,
+                            "idle_other_cores": idle, "at": now_iso()})
+        by_id = {m.id: m for m in active}
+        for position, cell_id in enumerate(order):
+            if any(r["round"] == round_index for r in self.reps[cell_id]):
+                continue  # done before an interruption: resume keeps it
+            m = by_id[cell_id]
+            try:
+                self._repetition(m, round_index, position)
+            except MeasurementError as exc:
+                # One cell failing (a decode error) must not cost the others their numbers.
+                _record_failure(self.writer, m.model.key, exc, [m], self.console)
+                self.failed.add(m.id)
+                cell = self.cells.pop(m.id, None)
+                if cell:
+                    cell.close()
+
+    def _repetition(self, m: Measurement, round_index: int, position: int) -> None:
+        from .measure import Cell
+
+        if m.id not in self.cells:
+            self.cells[m.id] = Cell(self.models[m.model.key], m, self.scenario.seed,
+                                    self.pages.get(m.model.key))
+        rep = self.cells[m.id].run(round_index, position)
+        elapsed = self.spent_s + time.monotonic() - self.clock
+        record = {"type": "repetition", "id": m.id, "round": round_index,
+                  "position": position, "rep": rep, "elapsed_s": elapsed, "at": now_iso()}
+        self.writer.append(record)
+        self.reps[m.id].append(self.writer.records.repetitions[-1])
+
+    def _finish(self, active: list[Measurement], round_index: int) -> list[Measurement]:
+        """Cells whose policy (or the run's time budget) says stop leave the rounds."""
+        elapsed = self.spent_s + time.monotonic() - self.clock
+        over = self.scenario.max_seconds is not None and elapsed >= self.scenario.max_seconds
+        still, widest = [], (0.0, None)
+        for m in (m for m in active if m.id not in self.failed):
+            samples = target_samples(m, [r["rep"] for r in self.reps[m.id]])
+            policy = m.settings.policy
+            reason = stop_reason(samples, policy)
+            if reason is None and over and policy.auto and len(samples) >= policy.min_repetitions:
+                reason = "budget"
+            if reason:
+                self._write_measurement(m, reason)
+                continue
+            still.append(m)
+            if policy.auto:
+                ci = relative_ci(samples)
+                widest = max(widest, (ci if ci is not None else float("inf"), m.id),
+                             key=lambda w: w[0])
+        self.console.round({"round": round_index, "active": len(still), "finished":
+                            len(active) - len(still), "widest_ci": widest[0],
+                            "widest_id": widest[1], "elapsed_s": elapsed})
+        return still
+
+    def _write_measurement(self, m: Measurement, reason: str) -> None:
+        from .measure import make_record
+
+        cell = self.cells.pop(m.id, None)
+        reps = [r["rep"] for r in self.reps[m.id]]
+        idle = [r["idle_other_cores"] for r in self.writer.records.rounds
+                if r["round"] in {x["round"] for x in self.reps[m.id]}]
+        during = [r.get("during_other_cores") for r in reps]
+        reading = {"idle_other_cores": max(idle, default=0.0),
+                   "during_other_cores": max((d for d in during if d is not None), default=None)}
+        run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
+               "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
+               "ci_reached": relative_ci(target_samples(m, reps))}
+        setup = cell.setup if cell else {}
+        warmups = cell.warmups if cell else []
+        started = cell.started if cell else self.reps[m.id][0]["at"]
+        self.writer.append(make_record(m, self.infos[m.model.key], warmups, reps, setup,
+                                       reading, started, run))
+        self.console.advance(self.writer.records.measurements[-1])
+        if cell:
+            cell.close()
 
 
 def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:
@@ -216,10 +391,13 @@ def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path 
 
 
 def plan_summary(scenario: Scenario, cache_dir: Path | None) -> dict:
-    """What a run of the scenario would take: model files, peak RAM, bytes still to build."""
+    """What a run of the scenario would take: model files, peak RAM (the largest group of
+    models kept loaded together, with all their cells' contexts), bytes still to build."""
     todo = list(scenario.measurements)
-    return {"n_models": len({m.model.key for m in todo}),
-            "ram_gib": max(need for _, need in _memory_by_model(todo)) / 2**30,
+    needs = dict(_memory_by_model(todo, all_contexts=True))
+    groups = group_by_memory(needs, available_ram_bytes())
+    return {"n_models": len(needs), "n_groups": len(groups),
+            "ram_gib": max(sum(needs[k] for k in g) for g in groups) / 2**30,
             "build_gib": _build_n_bytes(scenario, todo, cache_dir) / 2**30}
 
 
@@ -233,8 +411,10 @@ def check_resources(todo: list[Measurement], cache_dir: Path | None) -> None:
                                fix="use a smaller model, dtype or context")
 
 
-def _memory_by_model(todo: list[Measurement]) -> list[tuple[str, int]]:
-    """Each model's peak RAM over its measurements (its spec and file size looked up once)."""
+def _memory_by_model(todo: list[Measurement], all_contexts: bool = False
+                     ) -> list[tuple[str, int]]:
+    """Each model's RAM: its weights plus its largest context (or, all_contexts, every cell's
+    context at once, as interleaved rounds keep them), spec and file size looked up once."""
     by_model: dict[str, list[Measurement]] = {}
     for m in todo:
         by_model.setdefault(m.model.key, []).append(m)
@@ -244,7 +424,8 @@ def _memory_by_model(todo: list[Measurement]) -> list[tuple[str, int]]:
         spec = _spec_of(ref)
         weights = ref.gguf_path.stat().st_size if ref.gguf_path else estimated_n_bytes(
             spec, DTYPES[ref.dtype])
-        out.append((key, max(weights + memory_needed_bytes(m, spec) for m in group)))
+        contexts = [memory_needed_bytes(m, spec) for m in group]
+        out.append((key, weights + (sum(contexts) if all_contexts else max(contexts))))
     return out
 
 
@@ -262,29 +443,6 @@ def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
                  + 4 * spec.hidden_size + spec.vocab_size)
     compute = 4 * min(m.settings.n_ubatch, n_ctx) * per_token
     return int(kv + compute)
-
-
-def _run_model(group: list[Measurement], writer: RunWriter, scenario: Scenario, strict: bool,
-               file: tuple[Path, list[str]], prober: _RunProber, console: Console) -> None:
-    from .llama import Model
-
-    ref = group[0].model
-    path, dtypes = file
-    _noise_gate(f"before loading {ref.label}", strict, console)
-    try:
-        model = Model(path)
-    except MeasurementError as exc:
-        exc.step = "load"
-        raise
-    try:
-        info = _model_record(writer, ref, path, model)
-        for m in group:
-            prober.beside(m, dtypes)
-            writer.append(measure(model, m, info, scenario.seed,
-                                  lambda where: _noise_gate(where, strict, console)))
-            console.advance(writer.records.measurements[-1])
-    finally:
-        model.close()
 
 
 def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Console) -> Path:

@@ -15,6 +15,7 @@ from .yamlio import (
     check_keys,
     parse_yaml,
     read_text,
+    want_float,
     want_int,
     want_mapping,
     want_str,
@@ -25,8 +26,11 @@ MAX_REPETITIONS = 1000
 MAX_THREADS = 1024
 MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
+             "target_ci", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "tests"]
-_OVERRIDES = ["threads", "repetitions", "warmup", "n_batch", "n_ubatch", "flash_attn"]
+_OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
+              "warmup", "n_batch", "n_ubatch", "flash_attn"]
+MAX_SECONDS = 7 * 24 * 3600
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
 _TEST_KEYS = ["name", "prompt", "generate", *_LEVERS, *_OVERRIDES]
 
@@ -57,11 +61,21 @@ class Settings:
     """The knobs a test may override."""
 
     threads: int
-    repetitions: int
+    repetitions: int | None  # None: auto (until target_ci, min/max_repetitions, the budget)
     warmup: int
     n_batch: int
     n_ubatch: int
     flash_attn: bool | None  # None = llama.cpp's auto
+    target_ci: float = 0.03
+    min_repetitions: int = 6
+    max_repetitions: int = 200
+
+    @property
+    def policy(self):
+        from .rounds import Policy
+
+        return Policy(self.repetitions, self.target_ci, self.min_repetitions,
+                      self.max_repetitions)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,7 @@ class Scenario:
     description: str
     seed: int
     measurements: tuple[Measurement, ...]
+    max_seconds: float | None = None  # the time budget of a run's rounds
 
     @property
     def sha256(self) -> str:
@@ -147,6 +162,8 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         description=str(data.get("description") or ""),
         seed=want_int(doc, ("seed",), data.get("seed", 0), minimum=0, maximum=2**63 - 1),
         measurements=tuple(measurements),
+        max_seconds=(want_float(doc, ("max_seconds",), data["max_seconds"], minimum=1,
+                                maximum=MAX_SECONDS) if "max_seconds" in data else None),
     )
 
 
@@ -244,6 +261,7 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
         return want_int(doc, path + (key,), data[key], minimum=minimum, maximum=maximum)
 
     b = base or Settings(physical_cores, 5, 1, 2048, 512, None)
+    b = replace(b, **_policy(doc, path, data, b))
     fa = b.flash_attn
     if "flash_attn" in data:
         fa = data["flash_attn"]
@@ -252,8 +270,7 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
         elif not isinstance(fa, bool):
             raise doc.error(path + ("flash_attn",), f"expected true, false or auto, got {fa!r}",
                             fix="write true, false or auto")
-    s = replace(b, repetitions=get_int("repetitions", b.repetitions, 1, MAX_REPETITIONS),
-                warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
+    s = replace(b, warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
                 n_batch=get_int("n_batch", b.n_batch, 1, MAX_TOKENS),
                 n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa)
     if s.n_ubatch > s.n_batch:
@@ -264,6 +281,33 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
     if base is None:
         return [replace(s, threads=t) for t in (threads or [physical_cores])]
     return [replace(s, threads=t) for t in (threads or [b.threads])]
+
+
+def _policy(doc: Doc, path: tuple, data: dict, b: Settings) -> dict:
+    """repetitions (a count or auto), target_ci, min_repetitions and max_repetitions."""
+    out = {}
+    if "repetitions" in data:
+        value = data["repetitions"]
+        if isinstance(value, str) and value != "auto":
+            raise doc.error(path + ("repetitions",), f"expected a whole number or auto, got "
+                            f"{value!r}", fix="write a count such as 5, or auto (until the "
+                            "confidence interval reaches target_ci)")
+        out["repetitions"] = None if value == "auto" else want_int(
+            doc, path + ("repetitions",), value, minimum=1, maximum=MAX_REPETITIONS)
+    if "target_ci" in data:
+        out["target_ci"] = want_float(doc, path + ("target_ci",), data["target_ci"],
+                                      minimum=0.001, maximum=1.0)
+    for key in ("min_repetitions", "max_repetitions"):
+        if key in data:
+            out[key] = want_int(doc, path + (key,), data[key], minimum=1,
+                                maximum=MAX_REPETITIONS)
+    low = out.get("min_repetitions", b.min_repetitions)
+    high = out.get("max_repetitions", b.max_repetitions)
+    if low > high:
+        key = "min_repetitions" if "min_repetitions" in out else "max_repetitions"
+        raise doc.error(path + (key,), f"min_repetitions {low} exceeds max_repetitions {high}",
+                        fix="make min_repetitions at most max_repetitions")
+    return out
 
 
 def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],

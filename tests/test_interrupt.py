@@ -14,11 +14,11 @@ from conftest import ROOT
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "long_tiny.yaml"
 
 
-def _measurements(path: Path) -> int:
+def _count(path: Path, kind: str) -> int:
     if not path.exists():
         return 0
     return sum(1 for line in path.read_text().splitlines()
-               if line.endswith("}") and json.loads(line)["type"] == "measurement")
+               if line.endswith("}") and json.loads(line)["type"] == kind)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -30,18 +30,20 @@ def test_interrupt_stops_within_a_second_and_resume_completes(tmp_path, sig):
                             text=True, env=env)
     results = out / "results.jsonl"
     deadline = time.monotonic() + 60
-    while _measurements(results) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _measurements(results) == 1, "the first measurement never appeared"
-    time.sleep(0.5)  # now inside the long decode measurement
+    while _count(results, "repetition") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _count(results, "repetition") >= 2, "the first round never ended"
     sent = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=10)
     assert time.monotonic() - sent < 1.0
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "--resume" in err
-    assert _measurements(results) == 1  # kept, and nothing half-written
+    kept = _count(results, "repetition")
+    assert 2 <= kept < 16 and _count(results, "measurement") == 0  # kept, none half-written
+    for line in results.read_text().splitlines():
+        json.loads(line)
     resumed = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120, env=env)
     assert resumed.returncode == 0, resumed.stderr
-    assert _measurements(results) == 2
+    assert _count(results, "measurement") == 2 and _count(results, "repetition") == 16

@@ -51,7 +51,7 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
     """Every decode row recomputed here from the fixture's raw samples and probe records."""
     import statistics
 
-    from harness.analysis import ceiling_near
+    from harness.analysis import ceiling_near, span
     from harness.costs import mean_decode_context
 
     _, records = load_run(RUNS / "tiny_v2")
@@ -67,7 +67,7 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
         n_bytes = model["decode_weight_n_bytes"] + model["kv_n_bytes_per_token_f16"] * \
             mean_decode_context(m["n_prompt"], m["n_gen"])
         effective = rate * n_bytes / 1e9
-        times = sum(n / ceiling_near(records.probes, m["seq"], m["threads"],
+        times = sum(n / ceiling_near(records.probes, span(m), m["threads"],
                                      ("ggml", t, "stream_gb_s"))["value"]
                     for t, n in model["decode_type_n_bytes"].items())
         stream = sum(model["decode_type_n_bytes"].values()) / times

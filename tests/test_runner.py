@@ -7,7 +7,7 @@ from conftest import assert_user_error
 
 from harness import runner
 from harness.errors import HarnessError
-from harness.measure import measure
+from harness.measure import Cell
 from harness.results import RunWriter, read_records
 from harness.runner import Console, run_scenario
 from harness.scenario import load_scenario
@@ -39,7 +39,7 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
     for model in records.models.values():
         assert model["n_params"] > 0 and len(model["sha256"]) == 64
         assert model["file_n_bytes"] > model["model_n_bytes"] > 0
-    assert [m["id"] for m in records.measurements] == [m.id for m in runner.pending(plan, set())]
+    assert sorted(m["id"] for m in records.measurements) == sorted(m.id for m in plan.measurements)
     for m in records.measurements:
         for key in ("model", "dtype", "threads", "n_prompt", "n_gen", "samples",
                     "prefill_tok_s", "decode_tok_s", "decode_ms_per_token", "ttft_s",
@@ -67,17 +67,27 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
         lo, hi = m["prefill_tok_s"]["ci95"]
         assert lo <= m["prefill_tok_s"]["mean"] <= hi
         assert math.isfinite(m["noise"]["idle_other_cores"])
-    # the full set at both ends, and right before every measurement the figures it needs
-    assert [p["when"] for p in records.probes] == (
-        ["before"] + ["beside"] * len(records.measurements) + ["after"])
-    beside = [p for p in records.probes if p["when"] == "beside"]
-    for probe, m in zip(beside, records.measurements, strict=True):
-        assert probe["for"] == m["id"] and probe["seq"] == m["seq"] - 1
-        ggml = probe["result"]["threads"][str(m["threads"])]["ggml"]
-        model = records.models[m["model_key"]]
-        assert set(ggml) == set(model["decode_type_n_bytes"])  # the model's own types
-        assert all(("stream_gb_s" in e) == bool(m["n_gen"]) for e in ggml.values())
-        assert all("compute_gflop_s" in e for e in ggml.values())  # every cell prefills
+    # the full set at both ends, and before every round the figures its cells need
+    whens = [p["when"] for p in records.probes]
+    assert whens[0] == "before" and whens[-1] == "after"
+    assert set(whens[1:-1]) == {"beside"}
+    n_rounds = 3  # tiny.yaml: repetitions: 3
+    assert [r["round"] for r in records.rounds] == list(range(n_rounds))
+    assert [p["round"] for p in records.probes[1:-1]] == list(range(n_rounds))
+    for probe in records.probes[1:-1]:
+        ggml = probe["result"]["threads"]["1"]["ggml"]
+        assert set(ggml) == {"f32", "q8_0"}  # the types of the models in the run
+        assert all("stream_gb_s" in e and "compute_gflop_s" in e for e in ggml.values())
+    # every round: each cell once, in the round record's shuffled order
+    for rnd in records.rounds:
+        reps = [r for r in records.repetitions if r["round"] == rnd["round"]]
+        assert [r["id"] for r in sorted(reps, key=lambda r: r["position"])] == rnd["order"]
+        assert sorted(rnd["order"]) == sorted(m.id for m in plan.measurements)
+    assert len({tuple(r["order"]) for r in records.rounds}) > 1
+    for m in records.measurements:
+        assert m["samples"]["rounds"] == list(range(n_rounds)) and m["stopped_by"] == "fixed"
+        reads = m["samples"]["read_gb_s"]
+        assert all((r is not None and len(r) == 2) == bool(m["n_gen"]) for r in reads)
     (analysis,) = records.analyses
     assert len(analysis["decode"]) == 4 and len(analysis["prefill"]) == 12
     for row in analysis["decode"]:
@@ -107,6 +117,9 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
         def beside(self, threads, dtypes, phases):
             raise MemoryError("no room")
 
+        def layout(self, dtype):
+            return None
+
         def close(self):
             pass
 
@@ -115,7 +128,7 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
         analysis = run_scenario(plan, writer, {}, console=QUIET, prober_factory=Broken)
     assert len(writer.records.measurements) == len(plan.measurements)
     errors = [p.get("error") for p in writer.records.probes]
-    assert errors == ["MemoryError: no room"] * (2 + len(plan.measurements))
+    assert errors == ["MemoryError: no room"] * (2 + 3)  # both ends and each of 3 rounds
     assert all(r["read_ceiling"]["value"] is None for r in analysis["decode"])
     assert all(r["stream_ceiling"]["value"] is None and r["share_of_stream"] is None
                for r in analysis["decode"])
@@ -135,14 +148,18 @@ def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
     m = next(x for x in plan.measurements if x.n_gen and x.model.dtype == "f32")
     built = build(resolve_spec(m.model.spec_name), DTYPES["f32"])
     with Model(built.path) as model:
-        record = measure(model, m, {"n_params": 1, "model_n_bytes": 1}, 0, lambda where: 0.0)
-    prefill = record["samples"]["prefill_s"]
-    assert len(prefill) == 3
+        cell = Cell(model, m, 0)
+        try:
+            reps = [cell.run(r, 0) for r in range(3)]
+        finally:
+            cell.close()
+    prefill = [r["prefill_s"] for r in reps]
     # no reuse: later repetitions do the full prefill, not ~0
     assert min(prefill[1:]) > 0.2 * prefill[0]
-    for perf in record["samples"]["perf"]:
-        assert perf["n_p_eval"] == m.n_prompt  # counters reset, each rep evaluates the prompt
-    assert record["samples"]["n_cached"] == [m.n_prompt + m.n_gen] * 3
+    for rep in reps:
+        assert rep["perf"]["n_p_eval"] == m.n_prompt  # counters reset, the prompt each time
+        assert rep["n_cached"] == m.n_prompt + m.n_gen
+    assert [r["round"] for r in reps] == [0, 1, 2]
 
 
 def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
@@ -167,6 +184,39 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert [r["type"] for r in records.other] == ["resume"]
     whens = [p["when"] for p in records.probes if p["when"] != "beside"]
     assert whens == ["before", "before", "after"]
+    # the interrupted cells kept their three repetitions: none ran a fourth
+    assert all(m["repetitions"] == 3 for m in records.measurements)
+    assert len(records.repetitions) == 3 * len(plan.measurements)
+
+
+def test_resume_mid_round_keeps_the_shuffle_and_the_repetitions(tmp_path, monkeypatch):
+    fast_noise(monkeypatch)
+    plan = load_scenario(SCENARIO, 1)
+    real = runner._Rounds._repetition
+    calls = {"n": 0}
+
+    def stop_in_round_two(self, m, round_index, position):
+        if round_index == 1 and position == 5:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(self, m, round_index, position)
+
+    monkeypatch.setattr(runner._Rounds, "_repetition", stop_in_round_two)
+    with pytest.raises(KeyboardInterrupt), RunWriter(tmp_path / "run", resume=False) as w:
+        run_scenario(plan, w, {}, console=QUIET)
+    partial = read_records(tmp_path / "run" / "results.jsonl")
+    assert calls["n"] == 12 + 5 and partial.measurements == []
+    monkeypatch.setattr(runner._Rounds, "_repetition", real)
+    _, records = run(tmp_path, resume=True)
+    # round 1 was finished in the order it started with, then round 2 followed
+    orders = [r["order"] for r in records.rounds]
+    assert [r["round"] for r in records.rounds] == [0, 1, 1, 2]
+    assert orders[1] == orders[2]
+    round1 = sorted((r for r in records.repetitions if r["round"] == 1),
+                    key=lambda r: r["seq"])
+    assert [r["position"] for r in round1] == list(range(12))
+    assert all(m["repetitions"] == 3 and m["samples"]["rounds"] == [0, 1, 2]
+               for m in records.measurements)
 
 
 def test_truncated_last_line_is_dropped_on_resume(tmp_path, monkeypatch):

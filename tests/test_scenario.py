@@ -139,3 +139,16 @@ def test_relative_gguf_paths_are_found_beside_the_scenario(tmp_path):
     built = build(resolve_spec("tiny-llama"), DTYPES["f32"], out=tmp_path / "sub" / "m.gguf")
     s = load_scenario(write(tmp_path / "sub", BASE.replace("[tiny-qwen2]", "[m.gguf]")), 2)
     assert s.measurements[0].model.gguf_path == built.path
+
+
+def test_auto_repetitions_and_their_policy(tmp_path):
+    path = tmp_path / "auto.yaml"
+    path.write_text("name: a\nmodels: [tiny-qwen2]\nrepetitions: auto\ntarget_ci: 0.05\n"
+                    "max_seconds: 90\nmin_repetitions: 8\ntests:\n"
+                    "  - {prompt: 8, generate: 4}\n"
+                    "  - {prompt: 16, generate: 0, repetitions: 4}\n")
+    plan = load_scenario(path, physical_cores=2)
+    auto, fixed = (m.settings.policy for m in plan.measurements)
+    assert auto.auto and auto.target_ci == 0.05 and auto.min_repetitions == 8
+    assert auto.max_repetitions == 200 and plan.max_seconds == 90.0
+    assert not fixed.auto and fixed.repetitions == 4 and fixed.target_ci == 0.05

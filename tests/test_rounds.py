@@ -1,0 +1,98 @@
+"""Interleaved rounds: scheduling, adaptive stopping, paired ratios under drift, resume."""
+
+import random
+import statistics
+
+import pytest
+
+from harness.levers import round_ratio
+from harness.rounds import (
+    Policy,
+    group_by_memory,
+    relative_ci,
+    round_order,
+    stop_reason,
+)
+
+IDS = [f"cell{i}" for i in range(6)]
+
+
+def test_every_cell_once_per_round_shuffled_and_reproducible():
+    orders = [round_order(IDS, seed=7, round_index=r) for r in range(20)]
+    assert all(sorted(o) == sorted(IDS) for o in orders)
+    assert len({tuple(o) for o in orders}) > 10  # shuffled anew each round
+    assert orders == [round_order(list(reversed(IDS)), 7, r) for r in range(20)]  # replayable
+    assert orders != [round_order(IDS, 8, r) for r in range(20)]  # the seed matters
+    firsts = [o[0] for o in orders]
+    assert len(set(firsts)) >= 4  # no cell always goes first
+
+
+def _stream(sd: float, seed: int = 0):
+    rng = random.Random(seed)
+    while True:
+        yield 100 + rng.gauss(0, sd)
+
+
+def _run(policy: Policy, sd: float, budget_n: int | None = None) -> tuple[int, str]:
+    samples, stream = [], _stream(sd)
+    while True:
+        samples.append(next(stream))
+        reason = stop_reason(samples, policy)
+        if reason is None and budget_n is not None and len(samples) >= budget_n \
+                and len(samples) >= policy.min_repetitions:
+            reason = "budget"
+        if reason:
+            return len(samples), reason
+
+
+def test_adaptive_stops_when_the_ci_is_met():
+    n_quiet, why = _run(Policy(None, target_ci=0.03, min_repetitions=6), sd=1.0)
+    assert why == "target" and n_quiet == 6  # CV 1%: the first 95% interval is narrow enough
+    n_noisy, why = _run(Policy(None, target_ci=0.03, min_repetitions=6), sd=10.0)
+    assert why == "target" and n_noisy > 20  # CV 10% needs many more samples
+    samples = [x for x, _ in zip(_stream(10.0), range(n_noisy), strict=False)]
+    assert relative_ci(samples) <= 0.03 < relative_ci(samples[:-1])
+
+
+def test_adaptive_never_stops_before_min_repetitions_and_stops_at_max_or_budget():
+    n, why = _run(Policy(None, target_ci=0.5, min_repetitions=9), sd=1.0)
+    assert (n, why) == (9, "target")
+    n, why = _run(Policy(None, target_ci=0.001, min_repetitions=6, max_repetitions=40), 10.0)
+    assert (n, why) == (40, "max")
+    n, why = _run(Policy(None, target_ci=0.001, min_repetitions=12), 10.0, budget_n=5)
+    assert (n, why) == (12, "budget")  # the budget waits for min_repetitions
+    assert _run(Policy(5), sd=10.0) == (5, "fixed")
+
+
+def test_relative_ci_needs_enough_samples_for_95_percent():
+    assert relative_ci([1.0] * 5) is None  # min-max covers the median with 94% only
+    assert relative_ci([10, 11, 9, 10, 10, 10]) == pytest.approx(0.1)
+
+
+def _record(rounds: list[int], rates: list[float]) -> dict:
+    return {"n_gen": 10, "parallel": 1, "decode_tok_s": {"n": len(rates),
+                                                         "median": statistics.median(rates)},
+            "samples": {"rounds": rounds, "decode_s": [[10 / r] for r in rates]}}
+
+
+def test_paired_ratio_recovers_the_true_ratio_under_drift():
+    """Two cells, B truly 0.8x A; the machine slows steadily from round to round, and B happens
+    to run mostly in the slow half. Unpaired medians are biased; per-round ratios are not."""
+    drift = [1.0 - 0.02 * r for r in range(30)]
+    a_rounds = list(range(30))
+    b_rounds = list(range(10, 30))  # B started late (a resumed or grouped run)
+    a = _record(a_rounds, [50 * drift[r] for r in a_rounds])
+    b = _record(b_rounds, [40 * drift[r] for r in b_rounds])
+    paired = round_ratio(b, a, "decode")
+    assert paired["paired"] and paired["median"] == pytest.approx(0.8)
+    unpaired = b["decode_tok_s"]["median"] / a["decode_tok_s"]["median"]
+    assert abs(unpaired - 0.8) > 0.05
+    old = round_ratio({**b, "samples": {}}, {**a, "samples": {}}, "decode")
+    assert not old["paired"] and old["median"] == pytest.approx(unpaired)
+
+
+def test_groups_fit_in_ram_largest_first():
+    assert group_by_memory({"a": 5, "b": 4, "c": 3}, None) == [["a", "b", "c"]]
+    assert group_by_memory({"a": 5, "b": 4, "c": 3}, 12) == [["a", "b", "c"]]
+    assert group_by_memory({"a": 5, "b": 4, "c": 3}, 9) == [["a", "b"], ["c"]]
+    assert group_by_memory({"a": 5, "b": 4, "c": 3}, 7) == [["a"], ["b", "c"]]
