@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .costs import decode_n_bytes_per_token, mean_decode_context, prefill_flops
+from .costs import (
+    decode_n_bytes_per_token,
+    matmul_params_per_token,
+    mean_decode_context,
+    prefill_flops,
+)
 from .specs import ModelSpec
 from .stats import center, half_width, summarize
 
@@ -175,6 +180,7 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
         stream = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m),
                                   m["threads"], "stream_gb_s")
         read = ceiling_near(probes, span(m), m["threads"], ("read_gb_s",))
+        copy = ceiling_near(probes, span(m), m["threads"], ("copy_gb_s",))
         share = effective / stream["value"] if stream["value"] else None
         flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, stream) else [])
         rows.append({
@@ -182,6 +188,7 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "tok_s": tok,
             "bytes_per_token": n_bytes, "file_bytes_per_token": model["weights_n_bytes"],
             "effective_gb_s": effective, "stream_ceiling": stream, "read_ceiling": read,
+            "copy_ceiling": copy,
             "share_of_stream": share,
             "share_of_read": effective / read["value"] if read["value"] else None,
             "paired_read_ratio": paired_read_ratio(m, n_bytes), "flags": flags,
@@ -228,10 +235,40 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
         rows.append({
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "seconds": seconds,
+            "n_ubatch": m.get("n_ubatch", 512),
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
             "share_of_peak": share, "flags": flags, "noise": m.get("noise"),
         })
     return rows
+
+
+def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dict]:
+    """Where each phase spends the machine: prefill and decode of one model each as a share of
+    the compute peak and of the streaming bandwidth (prefill reads the weights once per ubatch;
+    decode does 2 FLOPs per weight per token), against the ceilings measured in the run."""
+    out = []
+    for d in decode:
+        pre = [p for p in prefill if p["n_gen"] == 0 and _key(p) == _key(d)]
+        model = models.get(f"{d['model']}|{d['dtype']}")
+        if not pre or not model:
+            continue
+        p = min(pre, key=lambda r: r["n_prompt"])
+        stream, peak = d["stream_ceiling"]["value"], p["compute_peak"]["value"]
+        spec = ModelSpec(**model["spec"])
+        passes = -(-p["n_prompt"] // p["n_ubatch"])
+        prefill_gb_s = model["decode_weight_n_bytes"] * passes / p["seconds"] / 1e9
+        decode_gflop_s = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size
+                          * spec.vocab_size) * center(d["tok_s"]) / 1e9
+        base = {"model": d["model"], "dtype": d["dtype"], "threads": d["threads"]}
+        out.append(base | {"phase": "prefill", "n_prompt": p["n_prompt"],
+                           "gflop_s": p["gflop_s"], "gb_s": prefill_gb_s,
+                           "compute_share": p["share_of_peak"],
+                           "stream_share": prefill_gb_s / stream if stream else None})
+        out.append(base | {"phase": "decode", "gflop_s": decode_gflop_s,
+                           "gb_s": d["effective_gb_s"],
+                           "compute_share": decode_gflop_s / peak if peak else None,
+                           "stream_share": d["share_of_stream"]})
+    return out
 
 
 # --- the fit and its verdict ---------------------------------------------------------------
@@ -499,4 +536,5 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "predictions": predictions(fits, decode, models, table),
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
         "stability": stability(measurements, rounds or [], noisy_cores),
+        "phase_use": phase_use(decode, prefill, models),
     }

@@ -208,12 +208,15 @@ def _interruptible(fn):
               help="File to write (default: RUN/report.FORMAT).")
 @click.option("--format", "fmt", type=click.Choice(["md", "csv", "json"]), default="md",
               show_default=True)
-def report(run_dir: Path, out: Path | None, fmt: str) -> None:
+@click.option("--lesson/--full", default=None,
+              help="The lesson page (findings first, claims checked) or the full report; "
+                   "default: the lesson page when the scenario has a reference block.")
+def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> None:
     """Re-render the report of a run (also of an interrupted one) from its stored results."""
     from .reportio import load_run, write_report
 
     directory, records = load_run(run_dir)
-    click.echo(str(write_report(directory, records, out, fmt)))
+    click.echo(str(write_report(directory, records, out, fmt, lesson)))
 
 
 @cli.command()

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import math
-
-from .stats import t_critical_95
+from scipy.stats import ttest_ind_from_stats
 
 ENV_KEYS = ("cpu_model", "physical_cores", "ram_total_bytes", "os")
 
 
 def welch_significant(a: dict, b: dict) -> bool | None:
-    """Welch's t-test at 95% on two summaries (mean, stdev, n); None when it cannot tell."""
+    """Welch's t-test at 95% on two summaries (mean, stdev, n), by scipy; None when it cannot
+    tell."""
     if a.get("n", 0) < 2 or b.get("n", 0) < 2:
         return None
-    va, vb = a["stdev"] ** 2 / a["n"], b["stdev"] ** 2 / b["n"]
-    if va + vb == 0:
+    if a["stdev"] == 0 and b["stdev"] == 0:
         return a["mean"] != b["mean"]
-    t = abs(a["mean"] - b["mean"]) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / ((va**2 / (a["n"] - 1) if va else 0) + (vb**2 / (b["n"] - 1) if vb
-                                                                  else 0))
-    return t > t_critical_95(max(int(df), 1))
+    result = ttest_ind_from_stats(a["mean"], a["stdev"], a["n"], b["mean"], b["stdev"], b["n"],
+                                  equal_var=False)
+    return bool(result.pvalue < 0.05)
 
 
 def ci_overlap(a: dict, b: dict) -> bool | None:

@@ -43,31 +43,34 @@ def _save(fig, out_dir: Path, name: str) -> str:
 
 
 def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis["decode"]
+    rows = sorted(analysis["decode"], key=lambda r: (r["bytes_per_token"], r["dtype"]))
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [r["bytes_per_token"] / GIB for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    xs = [r["bytes_per_token"] / 1e9 for r in rows]
     ys = [center(r["tok_s"]) for r in rows]
     ax.errorbar(xs, ys, yerr=ci_errors([r["tok_s"] for r in rows]), fmt="o", capsize=4,
-                label="measured median (95% CI)")
-    for r, x, y in zip(rows, xs, ys, strict=True):
+                color="black", label="measured median (95% CI)", zorder=3)
+    for i, (r, x, y) in enumerate(zip(rows, xs, ys, strict=True)):
+        # alternate sides and stagger vertically so neighbouring labels never overlap
         ax.annotate(f"{r['model']} {r['dtype']}", (x, y), textcoords="offset points",
-                    xytext=(6, 6), fontsize=8)
+                    xytext=(8, 10 + 12 * (i % 3)) if i % 2 == 0 else (8, -14 - 12 * (i % 3)),
+                    fontsize=8, arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5})
     grid = [min(xs) * 0.8 + (max(xs) * 1.2 - min(xs) * 0.8) * i / 99 for i in range(100)]
+    title = "Decode speed against bytes read per token"
     for f in analysis["fits"]:
-        if f.get("fit"):
-            b = f["fit"]["gb_s"]
-            ax.plot(grid, [b / (x * GIB / 1e9) for x in grid],
-                    label=f"fit: {b:.1f} GB/s ÷ bytes ({f['threads']} threads)")
+        b = f["fit"]["gb_s"]
+        ax.plot(grid, [b / x for x in grid], lw=2, alpha=0.8,
+                label=f"fit: {b:.1f} GB/s ÷ GB per token ({f['threads']} threads)")
+        title = f"Decode speed falls as 1/size: tok/s ≈ {b:.0f} GB/s ÷ GB read per token"
     ceilings = [r["stream_ceiling"]["value"] for r in rows if r["stream_ceiling"]["value"]]
     if ceilings:
         c = sum(ceilings) / len(ceilings)
-        ax.plot(grid, [c / (x * GIB / 1e9) for x in grid], "--",
-                label=f"ggml streaming ceiling: {c:.1f} GB/s ÷ bytes")
-    ax.set_xlabel("bytes read per decode step (GiB)")
+        ax.plot(grid, [c / x for x in grid], "--", color="tab:red", lw=1.2,
+                label=f"streaming ceiling (llama.cpp's kernel): {c:.1f} GB/s ÷ GB")
+    ax.set_xlabel("GB read per decode step (10⁹ bytes)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("Decode speed against bytes read per token")
+    ax.set_title(title, fontsize=10)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -75,21 +78,50 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
 
 
 def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
+    """Time per token of prefill at each prompt length, with the same model's decode as a
+    line: both phases on one log-log axis, error bars from the medians' CIs."""
     rows = [m for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s") and is_plain(m)]
     if len({m["n_prompt"] for m in rows}) < 2:
         return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ratios = []
     for key in sorted({(m["model"], m["dtype"], m["threads"]) for m in rows}):
         group = sorted((m for m in rows if (m["model"], m["dtype"], m["threads"]) == key),
                        key=lambda m: m["n_prompt"])
+        if len(group) < 2:
+            continue
         n = [m["n_prompt"] for m in group]
-        label = f"{key[0]} {key[1]} ({key[2]} threads)"
-        a1.plot(n, [center(m["ttft_s"]) for m in group], "o-", label=label)
-        a2.plot(n, [center(m["prefill_tok_s"]) for m in group], "o-", label=label)
-    log2_pair(a1, a2, "prompt tokens", "prefill time (s)", "prefill tokens/s")
-    a2.legend(fontsize=8)
-    fig.suptitle("Prefill against prompt length")
+        ms = [1000 / center(m["prefill_tok_s"]) for m in group]
+        err = [[1000 / c[1] for c in _cis(group)], [1000 / c[0] for c in _cis(group)]]
+        line = ax.errorbar(n, ms, yerr=[[m - lo for m, lo in zip(ms, err[0], strict=True)],
+                                        [hi - m for m, hi in zip(ms, err[1], strict=True)]],
+                           fmt="o-", capsize=4, label=f"{key[0]} {key[1]}: prefill")[0]
+        dec = [m for m in measurements if m["n_gen"] and is_plain(m) and m.get("decode_tok_s")
+               and (m["model"], m["dtype"], m["threads"]) == key]
+        if dec:
+            d_ms = 1000 / center(dec[0]["decode_tok_s"])
+            ax.axhline(d_ms, ls="--", color=line.get_color(),
+                       label=f"{key[0]} {key[1]}: decode, {d_ms:.0f} ms per token")
+            ratios.append(d_ms / ms[0])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms per token (log scale)")
+    title = "Prefill against prompt length, beside decode"
+    if ratios:
+        title = f"A decoded token costs {min(ratios):.0f}× a prompt token's time"
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     return _save(fig, out_dir, "prefill_vs_prompt")
+
+
+def _cis(group: list[dict]) -> list[list[float]]:
+    out = []
+    for m in group:
+        s = m["prefill_tok_s"]
+        out.append(s.get("median_ci95") or [center(s), center(s)])
+    return out
 
 
 def log2_pair(a1, a2, xlabel: str, ylabel1: str, ylabel2: str) -> None:

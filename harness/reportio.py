@@ -38,10 +38,16 @@ def analysis_of(records) -> dict:
     return records.analyses[-1] if current else analyze_records(records)
 
 
-def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md") -> Path:
-    """Render a run's report (with plots for markdown) and write it; returns the path."""
+def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
+                 lesson: bool | None = None) -> Path:
+    """Render a run's report (with plots for markdown) and write it; returns the path. A run
+    of a scenario with a `reference:` block (or lesson=True) gets the lesson page."""
+    from .reference import reference_from_header
+
     analysis = analysis_of(records)
     data = report_data(records, analysis)
+    reference = reference_from_header(records.header)
+    as_lesson = lesson if lesson is not None else reference is not None
     out = out or run_dir / f"report.{fmt}"
     if fmt == "md":
         from .plots import write_plots
@@ -52,7 +58,13 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
             raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent),
                                fix="choose a writable place with -o, or free some disk"
                                ) from None
-        write_text_atomically(out, render_markdown(data, plots))
+        if as_lesson:
+            from .lesson import lesson_data, render_lesson
+
+            text = render_lesson(lesson_data(records, analysis, reference), plots)
+        else:
+            text = render_markdown(data, plots)
+        write_text_atomically(out, text)
     elif fmt == "csv":
         write_text_atomically(out, render_csv(data))
     else:

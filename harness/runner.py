@@ -225,6 +225,7 @@ class _Rounds:
     def run(self) -> None:
         try:
             active = self._load()
+            self.clock = time.monotonic()  # the budget counts rounds, not loading the models
             round_index = self._first_round(active)
             if round_index:  # resumed: cells whose repetitions were all done leave first
                 active = self._finish(active, round_index - 1)
@@ -362,7 +363,8 @@ def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> Non
             "created": now_iso(), "argv": argv or sys.argv,
             "scenario": {"path": str(scenario.path), "name": scenario.name,
                          "title": scenario.title, "description": scenario.description,
-                         "sha256": scenario.sha256, "text": scenario.text},
+                         "sha256": scenario.sha256, "text": scenario.text,
+                         "reference": scenario.reference},
             "plan": [m.id for m in scenario.measurements], "env": env,
         })
         return

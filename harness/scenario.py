@@ -9,10 +9,12 @@ from pathlib import Path
 
 from .dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from .errors import HarnessError
+from .reference import load_reference
 from .specs import looks_like_path, resolve_spec
 from .yamlio import (
     Doc,
     check_keys,
+    format_path,
     parse_yaml,
     read_text,
     want_float,
@@ -27,12 +29,12 @@ MAX_THREADS = 1024
 MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "min_repetitions", "max_repetitions", "max_seconds",
-             "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "tests"]
+             "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "reference", "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
               "warmup", "n_batch", "n_ubatch", "flash_attn"]
 MAX_SECONDS = 7 * 24 * 3600
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
-_TEST_KEYS = ["name", "prompt", "generate", *_LEVERS, *_OVERRIDES]
+_TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class Scenario:
     seed: int
     measurements: tuple[Measurement, ...]
     max_seconds: float | None = None  # the time budget of a run's rounds
+    reference: dict | None = None  # published figures and claims (harness.reference)
 
     @property
     def sha256(self) -> str:
@@ -154,7 +157,11 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
     tests = _list(doc, ("tests",), data["tests"])
     measurements = []
     for i, test in enumerate(tests):
-        measurements += _expand_test(doc, ("tests", i), test, models, base, physical_cores)
+        own = isinstance(test, dict) and ("models" in test or "dtypes" in test)
+        test_models = (_models(doc, {"models": data["models"]} | test, ("tests", i),
+                               data.get("dtypes")) if own else models)
+        measurements += _expand_test(doc, ("tests", i), test, test_models, base,
+                                     physical_cores)
     _check_unique(doc, measurements)
     return Scenario(
         path=path, text=text, name=name,
@@ -164,6 +171,7 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         measurements=tuple(measurements),
         max_seconds=(want_float(doc, ("max_seconds",), data["max_seconds"], minimum=1,
                                 maximum=MAX_SECONDS) if "max_seconds" in data else None),
+        reference=(load_reference(doc, data["reference"]) if "reference" in data else None),
     )
 
 
@@ -178,23 +186,26 @@ def _list(doc: Doc, path: tuple, value: object, *, allow_scalar: bool = False) -
     return value
 
 
-def _models(doc: Doc, data: dict) -> list[ModelRef]:
-    refs = _list(doc, ("models",), data["models"], allow_scalar=True)
-    dtypes = _list(doc, ("dtypes",), data.get("dtypes", ["f32"]), allow_scalar=True)
-    kinds = [get_dtype(d, source=doc.source, key=f"dtypes[{i}]").name
+def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = None
+            ) -> list[ModelRef]:
+    """The models × dtypes of the scenario (path ()) or of one test that names its own."""
+    refs = _list(doc, path + ("models",), data["models"], allow_scalar=True)
+    dtypes = _list(doc, path + ("dtypes",), data.get("dtypes", default_dtypes or ["f32"]),
+                   allow_scalar=True)
+    kinds = [get_dtype(d, source=doc.source, key=format_path(path + ("dtypes", i))).name
              for i, d in enumerate(dtypes)]
     if len(set(kinds)) != len(kinds):
-        raise doc.error(("dtypes",), "a dtype is listed twice", fix="list each once")
+        raise doc.error(path + ("dtypes",), "a dtype is listed twice", fix="list each once")
     out: list[ModelRef] = []
     for i, ref in enumerate(refs):
-        ref = _beside(want_str(doc, ("models", i), ref), Path(doc.source).parent)
+        ref = _beside(want_str(doc, path + ("models", i), ref), Path(doc.source).parent)
         try:
             out += _resolve_model(ref, kinds)
         except HarnessError as exc:
-            raise doc.error(("models", i), exc.render()) from None
+            raise doc.error(path + ("models", i), exc.render()) from None
     labels = [(m.label, m.dtype) for m in out]
     if len(set(labels)) != len(labels):
-        raise doc.error(("models",), "a model is listed twice", fix="list each once")
+        raise doc.error(path + ("models",), "a model is listed twice", fix="list each once")
     return out
 
 
