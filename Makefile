@@ -20,6 +20,7 @@ main: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check harness tests scripts
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 lint: $(STAMP)

@@ -10,14 +10,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .ceilings import (
+    above_ceiling,
+    ceiling_near,
+    combined_ceiling,
+    is_plain,
+    probe_figure,
+    rep_rates,
+    span,
+)
 from .costs import (
     decode_n_bytes_per_token,
     matmul_params_per_token,
     mean_decode_context,
     prefill_flops,
 )
-from .specs import ModelSpec
-from .stats import center, half_width, summarize
+from .dtypes import DTYPES
+from .errors import HarnessError
+from .gguf_build import nominal_decode_n_bytes
+from .levers import analyze_levers
+from .noise import NOISY_CORES
+from .specs import ModelSpec, all_specs
+from .stats import center, summarize
 
 # Spec-sheet peak memory bandwidths, GB/s (vendors' data sheets; DDR = channels x MT/s x 8 B),
 # with the hardware class whose band of achievable fractions applies.
@@ -80,89 +94,7 @@ def fit_through_origin(n_bytes: list[float], tok_s: list[float]) -> Fit:
     return Fit(b / 1e9, r2, len(tok_s))
 
 
-# --- ceilings ------------------------------------------------------------------------------
-
-def _samples_key(key: str) -> str:
-    """read_gb_s -> read_samples_gb_s; stream_gb_s -> stream_samples_gb_s; ..."""
-    name, _, unit = key.partition("_")
-    return f"{name}_samples_{unit}"
-
-
-def probe_figure(probe: dict | None, threads: int, path: tuple[str, ...]) -> dict | None:
-    """One figure of one probe at a thread count: its value (best pass), samples, layout."""
-    node = ((probe or {}).get("result") or {}).get("threads", {}).get(str(threads))
-    for part in path[:-1]:
-        node = (node or {}).get(part)
-    if not node or not node.get(path[-1]):
-        return None
-    return {"value": node[path[-1]], "samples": node.get(_samples_key(path[-1])) or [],
-            "layout": node.get("layout")}
-
-
-def span(m: dict) -> tuple[int, int]:
-    """The records a measurement's repetitions lie between (one point for older runs)."""
-    first = (m.get("span_seq") or [m["seq"]])[0]
-    return first, m["seq"]
-
-
-def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
-                 path: tuple[str, ...]) -> dict:
-    """The figure from the probes that measured it nearest a record (or a span of records:
-    the nearest before, every one inside, the nearest after): their mean, and its spread
-    (half-width of the 95% CI of their pooled samples, relative)."""
-    lo, hi = seq if isinstance(seq, tuple) else (seq, seq)
-    before = next((f for p in reversed(probes) if p["seq"] < lo
-                   and (f := probe_figure(p, threads, path))), None)
-    inside = [f for p in probes if lo < p["seq"] < hi and (f := probe_figure(p, threads, path))]
-    after = next((f for p in probes if p["seq"] > hi
-                  and (f := probe_figure(p, threads, path))), None)
-    found = [f for f in (before, *inside, after) if f]
-    out = {"before": before and before["value"], "after": after and after["value"],
-           "value": None, "spread": None, "layout": next((f["layout"] for f in found), None),
-           "n_probes": len(found)}
-    if not found:
-        return out
-    out["value"] = sum(f["value"] for f in found) / len(found)
-    spread = half_width([s for f in found for s in f["samples"]])
-    out["spread"] = spread / out["value"] if spread is not None else None  # relative
-    if before and after:
-        out["drift"] = (after["value"] - before["value"]) / before["value"]
-    return out
-
-
-def combined_ceiling(weights: dict[str, float], probes: list[dict],
-                     seq: int | tuple[int, int], threads: int, what: str) -> dict:
-    """A model's ceiling over its mix of tensor types: total ÷ Σ (weight of t ÷ ceiling of t)
-    (time adds up over the types); a type without a ceiling leaves it missing, not guessed."""
-    weights = {t: w for t, w in (weights or {}).items() if w > 0}
-    if not weights:
-        return {"value": None, "spread": None, "missing": [], "reason": "no per-type counts "
-                "(a run recorded before they existed)"}
-    per = {t: ceiling_near(probes, seq, threads, ("ggml", t, what)) for t in weights}
-    missing = sorted(t for t, c in per.items() if not c["value"])
-    if missing:
-        return {"value": None, "spread": None, "missing": missing,
-                "reason": f"no ggml ceiling for {', '.join(missing)} at {threads} threads"}
-    times = {t: w / per[t]["value"] for t, w in weights.items()}
-    total_time = sum(times.values())
-    spreads = [(times[t], per[t]["spread"]) for t in weights if per[t]["spread"] is not None]
-    spread = (sum(w * s for w, s in spreads) / sum(w for w, _ in spreads)) if spreads else None
-    return {"value": sum(weights.values()) / total_time, "spread": spread, "missing": [],
-            "by_type": {t: per[t]["value"] for t in weights},
-            "layouts": {t: per[t]["layout"] for t in weights}}
-
-
-def above_ceiling(share: float | None, ceiling: dict) -> bool:
-    """A share above 100% by more than the ceiling's own spread."""
-    return share is not None and share > 1 + (ceiling.get("spread") or 0)
-
-
 # --- decode and prefill --------------------------------------------------------------------
-
-def is_plain(m: dict) -> bool:
-    """One sequence from an empty F16 KV cache: the measurements the rule of thumb fits."""
-    return (m.get("kind", "single") == "single" and not m.get("depth")
-            and m.get("kv_type", "f16") == "f16")
 
 
 def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
@@ -195,17 +127,6 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "noise": m.get("noise"),
         })
     return rows
-
-
-def rep_rates(m: dict, phase: str) -> list[float | None]:
-    """Each repetition's tok/s of one phase (decode counts every sequence's tokens), in the
-    order of the record's samples; None where a repetition has no such phase."""
-    samples = m.get("samples") or {}
-    if phase == "decode":
-        n = m.get("parallel", 1) * m["n_gen"]
-        return [n / sum(d) if d and sum(d) > 0 else None for d in samples.get("decode_s", [])]
-    n = m.get("parallel", 1) * (m.get("shared_prefix", 0) + m["n_prompt"])
-    return [n / t if t else None for t in samples.get("prefill_s", [])]
 
 
 def paired_read_ratio(m: dict, n_bytes: float) -> dict | None:
@@ -359,9 +280,6 @@ PREDICTION_DTYPES = ("f32", "f16", "q8_0", "q4_0")
 
 def prediction_table(specs: dict[str, ModelSpec]) -> dict[str, dict[str, float]]:
     """Nominal weight bytes per decode step of every real spec (those with a source repo)."""
-    from .costs import nominal_decode_n_bytes
-    from .dtypes import DTYPES
-
     return {name: {d: nominal_decode_n_bytes(spec, DTYPES[d]) for d in PREDICTION_DTYPES}
             for name, spec in specs.items() if spec.source}
 
@@ -526,8 +444,6 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
     decode = decode_rows(measurements, models, probes)
     prefill = prefill_rows(measurements, models, probes)
     fits = fit_verdicts(decode)
-    from .levers import analyze_levers
-
     levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
     return levers | {
         "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
@@ -538,3 +454,13 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "stability": stability(measurements, rounds or [], noisy_cores),
         "phase_use": phase_use(decode, prefill, models),
     }
+
+
+def analyze_records(records) -> dict:
+    """The analysis of whatever a results file holds (complete or not)."""
+    try:
+        table = prediction_table(all_specs())
+    except HarnessError:
+        table = {}
+    return analyze(records.measurements, records.models, records.probes, table,
+                   records.rounds, NOISY_CORES)

@@ -90,14 +90,6 @@ def decode_n_bytes_per_token(weight_n_bytes: float, kv_n_bytes_per_token: float,
     return weight_n_bytes + kv_n_bytes_per_token * n_context
 
 
-def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
-    """The tensor table a directly written build of spec has."""
-    from .gguf_build import planned_tensors
-
-    return [TensorEntry(t.plan.name, t.plan.shape, t.ggml_type.name, t.n_bytes)
-            for t in planned_tensors(spec, dtype)]
-
-
 def matmul_params_per_token(spec: ModelSpec) -> int:
     """Weights every prompt token is multiplied by: the blocks' q, k, v, o, gate, up, down."""
     e, f = spec.hidden_size, spec.intermediate_size
@@ -126,16 +118,3 @@ def mean_decode_context(n_prompt: int, n_gen: int) -> float:
     return n_prompt + (n_gen + 1) / 2 if n_gen else float(n_prompt)
 
 
-def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
-    """Weight bytes a decode step reads at a dtype: exact for F32/F16/BF16; for quantized types
-    every matrix at the base type's bits per weight (recipes keep some tensors at other types)."""
-    from .dtypes import DTYPES
-
-    if dtype.direct:
-        return decode_weight_n_bytes(table_from_plan(spec, dtype))
-    f32 = table_from_plan(spec, DTYPES["f32"])
-    scaled = [TensorEntry(t.name, t.shape, t.type_name,
-                          t.n_bytes if len(t.shape) == 1 else int(t.n_bytes * dtype.bits_per_weight
-                                                                   / 32))
-              for t in f32]
-    return decode_weight_n_bytes(scaled)

@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.quants import quant_shape_to_byte_shape
 
 from . import __version__
+from .costs import TensorEntry, decode_weight_n_bytes
 from .dtypes import DTYPES, DType
 from .specs import ModelSpec, TensorPlan, tensor_plan
 
@@ -215,3 +216,21 @@ def _add_tokenizer(w: GGUFWriter, vocab_size: int) -> None:
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
 
+
+def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
+    """The tensor table a directly written build of spec has."""
+    return [TensorEntry(t.plan.name, t.plan.shape, t.ggml_type.name, t.n_bytes)
+            for t in planned_tensors(spec, dtype)]
+
+
+def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
+    """Weight bytes a decode step reads at a dtype: exact for F32/F16/BF16; for quantized types
+    every matrix at the base type's bits per weight (recipes keep some tensors at other types)."""
+    if dtype.direct:
+        return decode_weight_n_bytes(table_from_plan(spec, dtype))
+    f32 = table_from_plan(spec, DTYPES["f32"])
+    scaled = [TensorEntry(t.name, t.shape, t.type_name,
+                          t.n_bytes if len(t.shape) == 1 else int(t.n_bytes * dtype.bits_per_weight
+                                                                   / 32))
+              for t in f32]
+    return decode_weight_n_bytes(scaled)

@@ -7,21 +7,18 @@ on this machine, estimates, and the diagnostics last. Every sentence is computed
 
 from __future__ import annotations
 
+from .findings import findings, main_model, rows_of
 from .reference import check_claims
 from .report import (
-    ABOVE_CEILING_NOTE,
     METHOD,
-    Column,
-    Table,
-    _env_lines,
-    _markdown_table,
     ceilings_table,
+    env_lines,
     estimates_table,
     repetitions_table,
 )
 from .stats import center, inverse
+from .tabular import ABOVE_CEILING_NOTE, Column, Table, markdown_table
 
-GIB, GB = 2**30, 1e9
 PLOT_CAPTIONS = {
     "decode_vs_bytes": "Decode tok/s against GB read per token, with the fitted bandwidth",
     "prefill_vs_prompt": "Prefill and decode time per token against prompt length",
@@ -33,128 +30,12 @@ def lesson_data(records, analysis: dict, reference: dict | None) -> dict:
     """Everything the page shows, as plain data."""
     header = records.header or {}
     env = header.get("env", {})
-    main = _main_model(analysis)
+    main = main_model(analysis)
     return {"scenario": header.get("scenario", {}), "env": env,
             "created": header.get("created"), "analysis": analysis, "main": main,
             "reference": reference,
             "claims": check_claims(reference, analysis, env) if reference else [],
             "measurements": records.measurements, "failures": records.failures}
-
-
-def _main_model(analysis: dict) -> tuple | None:
-    """The model the side-by-side table is about: the one with the most prompt lengths."""
-    counts: dict[tuple, int] = {}
-    for r in analysis["prefill"]:
-        if r["n_gen"] == 0 and r["dtype"] == "f32":
-            key = (r["model"], r["dtype"], r["threads"])
-            counts[key] = counts.get(key, 0) + 1
-    size = {(r["model"], r["dtype"], r["threads"]): r["bytes_per_token"]
-            for r in analysis["decode"]}
-    keys = [k for k in counts if k in size]
-    # the most prompt lengths; among equals the smallest model (the course's running example)
-    return max(keys, key=lambda k: (counts[k], -size[k])) if keys else None
-
-
-# --- findings ------------------------------------------------------------------------------
-
-def findings(data: dict) -> list[str]:
-    """Five or six sentences with the run's numbers, each true of it."""
-    a, main = data["analysis"], data["main"]
-    out = []
-    if main:
-        out += _two_phases(a, main)
-    out += _size_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
-    out += _quant_finding(a) + _batch_finding(a)
-    claims = data["claims"]
-    if claims:
-        held = sum(c["verdict"] == "holds" for c in claims)
-        tested = sum(c["verdict"] != "not measured" for c in claims)
-        out.append(f"Of the course's {len(claims)} claims checked here, {held} of the "
-                   f"{tested} this run could test hold on this machine (table below).")
-    return out
-
-
-def _rows(rows: list[dict], key: tuple) -> list[dict]:
-    return [r for r in rows if (r["model"], r["dtype"], r["threads"]) == key]
-
-
-def _two_phases(a: dict, main: tuple) -> list[str]:
-    pre = sorted((r for r in _rows(a["prefill"], main) if r["n_gen"] == 0),
-                 key=lambda r: r["n_prompt"])
-    dec = _rows(a["decode"], main)
-    if not pre or not dec:
-        return []
-    p, d = pre[0], dec[0]
-    p_ms, d_ms = 1000 / center(p["tok_s"]), 1000 / center(d["tok_s"])
-    return [f"On {main[0]} ({main[1].upper()}, {main[2]} threads), prefill of a "
-            f"{p['n_prompt']}-token prompt ran at {center(p['tok_s']):.0f} tok/s "
-            f"({p_ms:.1f} ms per token) and decode at {center(d['tok_s']):.1f} tok/s "
-            f"({d_ms:.0f} ms per token): each decoded token took as long as "
-            f"{d_ms / p_ms:.0f} prompt tokens."]
-
-
-def _size_finding(a: dict) -> list[str]:
-    fit = next((f for f in a["fits"] if f.get("fit")), None)
-    if not fit:
-        return []
-    rows = sorted((r for r in a["decode"] if r["threads"] == fit["threads"]),
-                  key=lambda r: r["bytes_per_token"])
-    speeds = ", ".join(f"{r['model']} {r['bytes_per_token'] / GB:.2f} GB → "
-                       f"{center(r['tok_s']):.1f} tok/s" for r in rows)
-    eff = [r["effective_gb_s"] for r in rows]
-    text = (f"Decode slowed as the bytes read per token grew ({speeds}); tok/s × bytes stayed "
-            f"at {min(eff):.0f}–{max(eff):.0f} GB/s, and the fit through the origin gives "
-            f"{fit['fit']['gb_s']:.1f} GB/s")
-    r2 = fit["fit"]["r2"]
-    text += f" (R² = {r2:.2f})." if r2 is not None else "."
-    if not fit["memory_bound"]:
-        text += f" Read with care: {fit['reasons'][0]}."
-    return [text]
-
-
-def _use_finding(a: dict) -> list[str]:
-    use = a.get("phase_use") or []
-    pre = next((u for u in use if u["phase"] == "prefill"), None)
-    dec = next((u for u in use if u["phase"] == "decode" and u["model"] == (pre or {}).get(
-        "model")), None)
-    if not pre or not dec or None in (pre["compute_share"], dec["stream_share"],
-                                      pre["stream_share"], dec["compute_share"]):
-        return []
-    return [f"Prefill kept the cores busy ({pre['compute_share']:.0%} of the compute peak, "
-            f"{pre['stream_share']:.0%} of the memory bandwidth); decode did the reverse "
-            f"({dec['stream_share']:.0%} of the bandwidth, {dec['compute_share']:.0%} of the "
-            f"compute), both against llama.cpp's own kernels measured in this run."]
-
-
-def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
-    pre = [r for r in (_rows(a["prefill"], main) if main else []) if r["n_gen"] == 0]
-    if len(pre) < 2:
-        return []
-    short, long = min(pre, key=lambda r: r["n_prompt"]), max(pre, key=lambda r: r["n_prompt"])
-    return [f"A {long['n_prompt']:,}-token prompt took {long['seconds']:.1f} s before its first "
-            f"token ({center(long['tok_s']):.0f} tok/s, against "
-            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens)."]
-
-
-def _quant_finding(a: dict) -> list[str]:
-    q = [r for r in a.get("quant") or [] if r["dtype"] != r["baseline"]
-         and r.get("decode_speedup") and r.get("prefill_speedup")]
-    if not q:
-        return []
-    r = min(q, key=lambda r: r["bytes_per_token"])
-    return [f"{r['dtype'].upper()} weights ({r['bits_per_weight']:.1f} bits per weight, "
-            f"{r['byte_reduction']:.1f}× fewer bytes than {r['baseline'].upper()}) decoded "
-            f"{r['decode_speedup']:.2f}× and prefilled {r['prefill_speedup']:.2f}× as fast."]
-
-
-def _batch_finding(a: dict) -> list[str]:
-    rows = [r for r in a.get("batching") or [] if r["parallel"] > 1 and r.get("speedup")]
-    if not rows:
-        return []
-    r = max(rows, key=lambda r: r["parallel"])
-    return [f"{r['parallel']} sequences decoded together gave {r['speedup']:.2f}× the aggregate "
-            f"tok/s of one; each sequence still got {center(r['per_sequence_tok_s']):.1f} "
-            "tok/s."]
 
 
 # --- tables --------------------------------------------------------------------------------
@@ -163,9 +44,9 @@ def side_by_side(data: dict) -> Table | None:
     a, main = data["analysis"], data["main"]
     if not main:
         return None
-    pre = sorted((r for r in _rows(a["prefill"], main) if r["n_gen"] == 0),
+    pre = sorted((r for r in rows_of(a["prefill"], main) if r["n_gen"] == 0),
                  key=lambda r: r["n_prompt"])
-    dec = _rows(a["decode"], main)
+    dec = rows_of(a["decode"], main)
     rows = [{"phase": "prefill", "tokens": f"{p['n_prompt']:,} prompt tokens",
              "seconds": p["seconds"], "tok_s": p["tok_s"], "ms": inverse(p["tok_s"])}
             for p in pre]
@@ -312,17 +193,17 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
     for table, plot in sections:
         if table is None:
             continue
-        out += [_markdown_table(table).replace("### ", "## ", 1), ""]
+        out += [markdown_table(table).replace("### ", "## ", 1), ""]
         out += _plot(plot, plots)
     est = estimates_table(data["analysis"])
     if est:
-        out += [_markdown_table(est[0]).replace("### ", "## Your machine against others: ", 1),
+        out += [markdown_table(est[0]).replace("### ", "## Your machine against others: ", 1),
                 ""]
-    out += ["## Method", "", METHOD, "", "## Environment", "", *_env_lines(env), "",
+    out += ["## Method", "", METHOD, "", "## Environment", "", *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]
     out += ["## Appendix: diagnostics", ""]
     for table in (ceilings_table(data["analysis"]), repetitions_table(data["measurements"])):
-        out += [_markdown_table(table), ""]
+        out += [markdown_table(table), ""]
     out += _plot("decode_per_token", plots)
     return "\n".join(out)
 

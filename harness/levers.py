@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from .analysis import combined_ceiling, is_plain, rep_rates, span
+from .ceilings import combined_ceiling, is_plain, rep_rates, span
 from .costs import (
     decode_n_bytes_per_token,
     kv_n_bytes_per_token,
@@ -237,13 +237,15 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
 def thread_rows(measurements: list[dict], probes: list[dict], analysis: dict) -> list[dict]:
     """Speed-up with threads of each plain prefill and decode measured at two or more counts,
     and how close each came to its own ceiling (from the decode and prefill rows)."""
-    rows_by_id = {r["id"]: (r, r.get("share_of_stream"), r["stream_ceiling"])
+    # keyed by (id, phase): a prompt-then-decode measurement has a row of each phase
+    rows_by_id = {(r["id"], "decode"): (r, r.get("share_of_stream"), r["stream_ceiling"])
                   for r in analysis.get("decode", [])}
-    rows_by_id |= {r["id"]: (r, r.get("share_of_peak"), r["compute_peak"])
+    rows_by_id |= {(r["id"], "prefill"): (r, r.get("share_of_peak"), r["compute_peak"])
                    for r in analysis.get("prefill", [])}
     rows = []
     for phase, key in (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s")):
-        chosen = [m for m in measurements if is_plain(m) and m.get(key) and m["id"] in rows_by_id
+        chosen = [m for m in measurements if is_plain(m) and m.get(key)
+                  and (m["id"], phase) in rows_by_id
                   and (m["n_gen"] == 0 if phase == "prefill" else m["n_gen"] > 0)]
         for group in _groups(chosen, lambda m: (m["model_key"], m["n_prompt"], m["n_gen"],
                                                 m["n_batch"], m["n_ubatch"], m["flash_attn"])):
@@ -257,12 +259,12 @@ def _thread_group(phase: str, key: str, group: list[dict], rows_by_id: dict) -> 
     base = group[0]
     best = max(_mean(m[key]) for m in group)
     knee = next(m["threads"] for m in group if _mean(m[key]) >= (1 - KNEE_TOLERANCE) * best)
-    base_ceiling = rows_by_id[base["id"]][2]["value"]
+    base_ceiling = rows_by_id[(base["id"], phase)][2]["value"]
     out = []
     for m in group:
         ratio = round_ratio(m, base, phase)
         speedup = center(ratio)
-        _, share, ceiling = rows_by_id[m["id"]]
+        _, share, ceiling = rows_by_id[(m["id"], phase)]
         c = ceiling["value"]
         out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
                     "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],

@@ -4,42 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .analysis import is_plain  # noqa: E402
-from .stats import center  # noqa: E402
-
-
-def ci_errors(summaries: list[dict]) -> list[list[float]]:
-    """Asymmetric error bars: the distance from each median to its 95% CI's ends."""
-    lows, highs = [], []
-    for s in summaries:
-        ci, mid = s.get("median_ci95"), center(s)
-        lows.append(mid - ci[0] if ci else 0.0)
-        highs.append(ci[1] - mid if ci else 0.0)
-    return [lows, highs]
-
-GIB = 2**30
-
-
-def finish(ax, fig, out_dir: Path, name: str, xlabel: str, ylabel: str, title: str) -> str:
-    """Label one-axes plots the same way, then save them."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out_dir, name)
-
-
-def _save(fig, out_dir: Path, name: str) -> str:
-    for ext in ("png", "svg"):
-        fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return f"{name}.png"
+from .ceilings import is_plain
+from .plotkit import ci_errors, plt, save
+from .plots_levers import write_lever_plots
+from .stats import center
 
 
 def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
@@ -74,7 +42,7 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, out_dir, "decode_vs_bytes")
+    return save(fig, out_dir, "decode_vs_bytes")
 
 
 def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
@@ -113,7 +81,7 @@ def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(fig, out_dir, "prefill_vs_prompt")
+    return save(fig, out_dir, "prefill_vs_prompt")
 
 
 def _cis(group: list[dict]) -> list[list[float]]:
@@ -122,16 +90,6 @@ def _cis(group: list[dict]) -> list[list[float]]:
         s = m["prefill_tok_s"]
         out.append(s.get("median_ci95") or [center(s), center(s)])
     return out
-
-
-def log2_pair(a1, a2, xlabel: str, ylabel1: str, ylabel2: str) -> None:
-    """Two side-by-side panels over a doubling x axis (prompt lengths, batch sizes)."""
-    for ax, ylabel in ((a1, ylabel1), (a2, ylabel2)):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
 
 
 def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) -> str | None:
@@ -155,7 +113,7 @@ def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) ->
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("decode step (warm-ups grey, then each repetition)")
     fig.tight_layout()
-    return _save(fig, out_dir, "decode_per_token")
+    return save(fig, out_dir, "decode_per_token")
 
 
 def _levers_label(m: dict) -> str:
@@ -171,7 +129,6 @@ def write_plots(measurements: list[dict], analysis: dict, out_dir: Path) -> list
     out_dir.mkdir(parents=True, exist_ok=True)
     made = [decode_vs_bytes(analysis, out_dir), prefill_vs_prompt(measurements, out_dir),
             decode_per_token(measurements, out_dir)]
-    from .plots_levers import write_lever_plots
 
     made += write_lever_plots(analysis, out_dir)
     return [m for m in made if m]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _save, ci_errors, finish, log2_pair, plt
+from .plotkit import ci_errors, finish, log2_pair, plt, save
 from .stats import center
 
 
@@ -75,7 +75,7 @@ def batching(analysis: dict, out_dir: Path) -> str | None:
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
     fig.suptitle("Batching independent sequences")
-    return _save(fig, out_dir, "batching")
+    return save(fig, out_dir, "batching")
 
 
 def threads(analysis: dict, out_dir: Path) -> str | None:
@@ -120,7 +120,7 @@ def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
     ax.set_title("Prefix caching")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8)
-    return _save(fig, out_dir, "prefix_cache")
+    return save(fig, out_dir, "prefix_cache")
 
 
 def write_lever_plots(analysis: dict, out_dir: Path) -> list[str | None]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass, field
 
-from .noise import NOISY_CORES
-from .stats import UNSTABLE_CV, center, inverse
+from .findings import findings, main_model
+from .report_levers import lever_tables
+from .stats import center, inverse
 from .tables import test_label
+from .tabular import ABOVE_CEILING_NOTE, GIB, Column, Table, markdown_table, notes_for
 
-GIB = 2**30
 PLOTS = {
     "decode_vs_bytes": "Decode tok/s against bytes read per token, with the fitted bandwidth "
                        "and the measured read ceiling",
@@ -30,62 +30,12 @@ PLOT_AFTER = {"quant_speedup": "quant_composition", "kv_depth": "kv_memory",
               "batching": "batching", "threads": "threads", "prefix_cache": "prefix"}
 
 
-@dataclass(frozen=True)
-class Column:
-    header: str
-    key: str
-    kind: str = "str"  # str, int, f1, f2, f3, pct, gib, stat
-
-
-@dataclass
-class Table:
-    name: str
-    title: str
-    columns: list[Column]
-    rows: list[dict]
-    notes: list[str] = field(default_factory=list)
-
-
-FLAG_WORDS = {
-    "noisy": "other processes used the CPU during the measurement",
-    "perf-mismatch": "llama.cpp's own timers differ from the wall clock by more than 5%",
-    "above-ceiling": "faster than the ceiling measured beside it",
-}
-
-
-def _notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) -> str:
-    """Each flag with its reason in words, for the notes column (only the phases shown)."""
-    out = []
-    for flag in record.get("flags", []):
-        if flag.startswith("unstable-"):
-            phase = flag.split("-", 1)[1]
-            if phase not in phases:
-                continue
-            cv = (record.get(f"{phase}_tok_s") or {}).get("cv") or 0
-            out.append(f"⚠ {phase} unsteady: repetitions varied by {cv:.1%} (CV), more than "
-                       f"{UNSTABLE_CV:.0%}")
-        elif flag == "noisy" and record.get("noise"):
-            n = record["noise"]
-            worst = max(n["idle_other_cores"], n.get("during_other_cores") or 0)
-            out.append(f"⚠ noisy: other processes used {worst:.2f} cores (> {NOISY_CORES})")
-        else:
-            out.append(f"⚠ {flag}: {FLAG_WORDS.get(flag, flag)}")
-    return "; ".join(out)
-
-
-ABOVE_CEILING_NOTE = (
-    "A share above 100% is flagged above-ceiling when it exceeds the ceiling's own spread: the "
-    "model ran faster than ggml's kernel did on the probe matrix, either because llama.cpp's "
-    "own kernels for these shapes are faster than the probe's, or because caches held part of "
-    "the weights. The ceiling is what was measured, not a physical bound.")
-
-
 def prefill_table(measurements: list[dict], analysis: dict) -> Table:
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
              "n_prompt": r["n_prompt"], "seconds": r["seconds"], "tok_s": r["tok_s"],
              "gflop_s": r["gflop_s"], "peak": r["compute_peak"]["value"],
              "share": r["share_of_peak"], "n": r["tok_s"]["n"],
-             "notes": _notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
+             "notes": notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
             for r in analysis["prefill"] if r["n_gen"] == 0]
     notes = ["Prefill time runs from the first prompt token to the logits of the last; tok/s "
              "is the median over the repetitions with its 95% confidence interval in brackets; "
@@ -114,7 +64,7 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
                      "stream": r["stream_ceiling"]["value"], "share": r["share_of_stream"],
                      "read": r["read_ceiling"]["value"], "share_read": r["share_of_read"],
                      "n": r["tok_s"]["n"],
-                     "notes": _notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
+                     "notes": notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
     rows.sort(key=lambda x: (x["threads"], x["bytes"]))
     notes = ["size is every tensor's bytes (the file-size convention, llama-bench's "
              "model_size), in GiB (2³⁰ bytes); read per token is what one decode step reads, in "
@@ -292,10 +242,10 @@ def report_data(records, analysis: dict) -> dict:
               decode_table(records.measurements, analysis), ceilings_table(analysis)]
     tables += [workloads_table(analysis)] + estimates_table(analysis)
     tables += [repetitions_table(records.measurements)]
-    from .report_levers import lever_tables
-
     tables += lever_tables(analysis)
-    return {"scenario": header.get("scenario", {}), "env": header.get("env", {}),
+    found = findings({"analysis": analysis, "main": main_model(analysis), "claims": []})
+    return {"findings": found, "scenario": header.get("scenario", {}),
+            "env": header.get("env", {}),
             "created": header.get("created"), "harness": header.get("harness"),
             "tables": [t for t in tables if t.rows], "fits": analysis["fits"],
             "missing": missing(records), "failures": records.failures,
@@ -304,40 +254,8 @@ def report_data(records, analysis: dict) -> dict:
 
 # --- rendering -----------------------------------------------------------------------------
 
-_FORMATS = {
-    "int": lambda v: f"{v:,}",
-    "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",
-    "pct": lambda v: f"{v:.0%}", "pct1": lambda v: f"{v:.1%}", "spct": lambda v: f"{v:+.1%}",
-    "x": lambda v: f"{v:.2f}×",
-    "gib": lambda v: f"{v / GIB:.2f}", "gib3": lambda v: f"{v / GIB:.3f}",
-    "gb": lambda v: f"{v / 1e9:.2f}",
-    "mib": lambda v: f"{v / 2**20:,.1f}", "kib": lambda v: f"{v / 2**10:,.1f}",
-}
 
-
-def _cell(value, kind: str) -> str:
-    if value is None or value == "":
-        return "–" if kind != "str" else ""
-    if kind.startswith("stat"):
-        digits = int(kind[4:] or 2)
-        ci = value.get("median_ci95")
-        interval = f" ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})" if ci else ""
-        return f"{center(value):.{digits}f}{interval}"
-    if kind in _FORMATS:
-        return _FORMATS[kind](value)
-    return str(value).replace("|", "\\|")
-
-
-def _markdown_table(t: Table) -> str:
-    head = "| " + " | ".join(c.header for c in t.columns) + " |"
-    align = "|" + "|".join("---" if c.kind == "str" else "---:" for c in t.columns) + "|"
-    body = ["| " + " | ".join(_cell(r.get(c.key), c.kind) for c in t.columns) + " |"
-            for r in t.rows]
-    notes = [f"\n{n}" for n in t.notes]
-    return "\n".join([f"### {t.title}", "", head, align, *body]) + "\n" + "\n".join(notes)
-
-
-def _env_lines(env: dict) -> list[str]:
+def env_lines(env: dict) -> list[str]:
     llama = env.get("llama", {})
     ram = (env.get("ram_total_bytes") or 0) / GIB
     return [
@@ -393,6 +311,8 @@ def render_markdown(data: dict, plots: list[str] | None = None) -> str:
                 "missing: " + ", ".join(f"`{m}`" for m in data["missing"]), ""]
     for f in data["failures"]:
         out += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}", ""]
+    if data.get("findings"):
+        out += ["## Findings", ""] + [f"- {line}" for line in data["findings"]] + [""]
     plots = list(plots or [])
     placed = {PLOT_AFTER[p.rsplit(".", 1)[0]]: p for p in plots
               if PLOT_AFTER.get(p.rsplit(".", 1)[0]) in {t.name for t in data["tables"]}}
@@ -404,14 +324,14 @@ def render_markdown(data: dict, plots: list[str] | None = None) -> str:
                 out += _plot_line(name)
             rest = []
             out += ["## Levers", ""]
-        out += [_markdown_table(t), ""]
+        out += [markdown_table(t), ""]
         if t.name == "decode" and data["fits"]:
             out += _fit_lines(data["fits"])
         if t.name in placed:
             out += _plot_line(placed[t.name])
     for name in rest:
         out += _plot_line(name)
-    out += ["## Method", "", METHOD, "", "## Environment", "", *_env_lines(env), "",
+    out += ["## Method", "", METHOD, "", "## Environment", "", *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", "",
             f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt byte-identically "
             "from the specs and seed; numbers will differ on another machine, and by a few "

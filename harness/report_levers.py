@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .report import Column, Table, _notes_for
 from .stats import center
+from .tabular import Column, Table, notes_for
 
 GIB = 2**30
 
@@ -97,7 +97,7 @@ def kv_tables(analysis: dict) -> list[Table]:
         Column("measured slowdown (×)", "measured_slowdown", "stat2"),
         Column("slowdown the bytes predict", "predicted_slowdown", "x"),
         Column("notes", "notes")],
-        [r | {"notes": _notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))}
+        [r | {"notes": notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))}
          for r in rows],
         ["The depth is filled once, untimed; every repetition then trims the cache back to it "
          "and times the decode. Each step reads every weight plus K and V of every cached "

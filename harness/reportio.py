@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .analysis import ANALYSIS_VERSION, analyze_records
 from .build import write_text_atomically
 from .errors import HarnessError
 from .report import render_csv, render_json, render_markdown, report_data
@@ -27,13 +28,9 @@ def load_run(ref: Path):
 
 def analysis_of(records) -> dict:
     """The stored analysis when the run finished, else one computed from what was measured."""
-    from .runner import analyze_records
-
     complete = records.analyses and records.analyses[-1]["seq"] > max(
         (m["seq"] for m in records.measurements), default=0)
     # An analysis stored by an older harness lacks newer fields: recompute it (it is pure).
-    from .analysis import ANALYSIS_VERSION
-
     current = complete and records.analyses[-1].get("version") == ANALYSIS_VERSION
     return records.analyses[-1] if current else analyze_records(records)
 

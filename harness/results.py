@@ -10,6 +10,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from .errors import HarnessError
+from .records import summarized
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.jsonl"
@@ -67,8 +68,6 @@ def read_records(path: Path) -> Records:
 def _resummarized(record: dict, path: Path, number: int) -> dict:
     """Summaries recomputed from the raw samples, so runs of every version show one
     statistical convention."""
-    from .measure import summarized
-
     try:
         return summarized(record)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):

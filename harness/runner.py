@@ -10,6 +10,7 @@ from itertools import groupby
 from pathlib import Path
 
 from . import __version__, noise
+from .analysis import analyze_records
 from .build import (
     build,
     check_build_space,
@@ -87,19 +88,6 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
     analysis = analyze_records(writer.records)
     writer.append(analysis)
     return analysis
-
-
-def analyze_records(records) -> dict:
-    """The analysis of whatever a results file holds (complete or not)."""
-    from .analysis import analyze, prediction_table
-    from .specs import all_specs
-
-    try:
-        table = prediction_table(all_specs())
-    except HarnessError:
-        table = {}
-    return analyze(records.measurements, records.models, records.probes, table,
-                   records.rounds, noise.NOISY_CORES)
 
 
 class _RunProber:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, table_from_plan, weights_n_bytes
+from .costs import decode_weight_n_bytes, kv_n_bytes_per_token, weights_n_bytes
 from .dtypes import DTYPES
-from .gguf_build import file_n_bytes
+from .gguf_build import file_n_bytes, table_from_plan
 from .specs import ModelSpec, n_params
 from .stats import center, inverse
 

@@ -1,18 +1,19 @@
 import pytest
 
-from harness import analysis
+from harness import analysis, ceilings
 from harness.analysis import fit_through_origin, fit_verdicts
 from harness.costs import (
     decode_weight_n_bytes,
     kv_n_bytes_per_token,
     mean_decode_context,
     prefill_flops,
-    table_from_plan,
     weights_n_bytes,
 )
 from harness.dtypes import DTYPES
+from harness.gguf_build import table_from_plan
 from harness.probe import plan_array_n_bytes, probe
 from harness.specs import resolve_spec
+from harness.stats import half_width
 
 
 def test_qwen_half_b_bytes_per_token_with_tied_embedding():
@@ -105,30 +106,30 @@ def _probe(seq, threads, **ggml):
 
 def test_ceiling_near_uses_the_nearest_probes_that_measured_the_figure():
     probes = [_probe(2, 2, f32=30.0), _probe(4, 1, f32=99.0), _probe(9, 2, f32=33.0)]
-    c = analysis.ceiling_near(probes, 5, 2, ("ggml", "f32", "stream_gb_s"))
+    c = ceilings.ceiling_near(probes, 5, 2, ("ggml", "f32", "stream_gb_s"))
     assert c["before"] == 30.0 and c["after"] == 33.0 and c["value"] == 31.5
     assert c["drift"] == pytest.approx(0.1)
     samples = [30, 29.4, 29.7, 33, 32.34, 32.67]
-    assert c["spread"] == pytest.approx(analysis.half_width(samples) / 31.5)
-    assert analysis.ceiling_near([], 5, 2, ("read_gb_s",))["value"] is None
+    assert c["spread"] == pytest.approx(half_width(samples) / 31.5)
+    assert ceilings.ceiling_near([], 5, 2, ("read_gb_s",))["value"] is None
 
 
 def test_combined_ceiling_adds_time_over_the_tensor_types():
     probes = [_probe(1, 2, q4_0=40.0, q8_0=20.0, f32=10.0)]
     bytes_by_type = {"q4_0": 600, "q8_0": 300, "f32": 100}
-    c = analysis.combined_ceiling(bytes_by_type, probes, 5, 2, "stream_gb_s")
+    c = ceilings.combined_ceiling(bytes_by_type, probes, 5, 2, "stream_gb_s")
     assert c["value"] == pytest.approx(1000 / (600 / 40 + 300 / 20 + 100 / 10))
     assert c["by_type"] == {"q4_0": 40.0, "q8_0": 20.0, "f32": 10.0}
-    missing = analysis.combined_ceiling({"q6_k": 5, "f32": 1}, probes, 5, 2, "stream_gb_s")
+    missing = ceilings.combined_ceiling({"q6_k": 5, "f32": 1}, probes, 5, 2, "stream_gb_s")
     assert missing["value"] is None and missing["missing"] == ["q6_k"]
     assert "no ggml ceiling for q6_k" in missing["reason"]
 
 
 def test_above_ceiling_allows_the_ceilings_own_spread():
-    assert not analysis.above_ceiling(1.04, {"spread": 0.05})
-    assert analysis.above_ceiling(1.06, {"spread": 0.05})
-    assert analysis.above_ceiling(1.01, {"spread": None})
-    assert not analysis.above_ceiling(None, {"spread": None})
+    assert not ceilings.above_ceiling(1.04, {"spread": 0.05})
+    assert ceilings.above_ceiling(1.06, {"spread": 0.05})
+    assert ceilings.above_ceiling(1.01, {"spread": None})
+    assert not ceilings.above_ceiling(None, {"spread": None})
 
 
 def test_estimate_bands_use_the_real_file_where_the_run_has_it():

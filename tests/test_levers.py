@@ -156,7 +156,7 @@ def test_knee_is_the_fewest_threads_within_two_percent_of_the_best():
 
     group = [rec(4, 19.1), rec(1, 10.0), rec(2, 18.9), rec(3, 19.2)]
     peaks = {1: 50.0, 2: 95.0, 3: 140.0, 4: 180.0}
-    by_id = {t: ({}, 0.5, {"value": peak}) for t, peak in peaks.items()}
+    by_id = {(t, "prefill"): ({}, 0.5, {"value": peak}) for t, peak in peaks.items()}
     rows = _thread_group("prefill", "prefill_tok_s", group, by_id)
     assert [r["threads"] for r in rows] == [1, 2, 3, 4]
     assert {r["knee_threads"] for r in rows} == {2} and [r["knee"] for r in rows] == \

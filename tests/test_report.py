@@ -51,7 +51,7 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
     """Every decode row recomputed here from the fixture's raw samples and probe records."""
     import statistics
 
-    from harness.analysis import ceiling_near, span
+    from harness.ceilings import ceiling_near, span
     from harness.costs import mean_decode_context
 
     _, records = load_run(RUNS / "tiny_v2")

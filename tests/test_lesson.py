@@ -1,0 +1,205 @@
+"""The lesson page and the reference block: claims decided by data, prose true of the run."""
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.findings import findings
+from harness.reference import CLAIM_TESTS, check_claims
+from harness.report_levers import _batching_note, _knee_note
+
+
+def _decode(model, n_bytes, tok_s, threads=2, copy=40.0, dtype="f32"):
+    return {"id": model, "model": model, "dtype": dtype, "threads": threads, "n_prompt": 16,
+            "n_gen": 64, "bytes_per_token": n_bytes, "file_bytes_per_token": n_bytes,
+            "tok_s": {"n": 9, "median": tok_s}, "effective_gb_s": tok_s * n_bytes / 1e9,
+            "copy_ceiling": {"value": copy}, "share_of_stream": 0.9, "flags": []}
+
+
+def _prefill(model, n_prompt, tok_s, threads=2, dtype="f32"):
+    return {"id": f"{model}{n_prompt}", "model": model, "dtype": dtype, "threads": threads,
+            "n_prompt": n_prompt, "n_gen": 0, "tok_s": {"n": 9, "median": tok_s},
+            "seconds": n_prompt / tok_s}
+
+
+def _analysis(**extra):
+    a = {"decode": [_decode("a", 2e9, 15.0), _decode("b", 4e9, 7.4), _decode("c", 6e9, 5.1)],
+         "prefill": [_prefill("a", 128, 180.0), _prefill("a", 4096, 150.0)],
+         "fits": [], "quant": [], "batching": [], "phase_use": []}
+    return a | extra
+
+
+def _claim(test, **params):
+    defaults = {k: v for k, (_, v) in CLAIM_TESTS[test][0].items()}
+    return {"claim": test, "test": test, "published": ""} | defaults | params
+
+
+ENV = {"physical_cores": 2, "llama": {"system_info": "AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1"}}
+
+
+def test_decode_follows_bytes_holds_within_tolerance_and_not_outside():
+    ok = check_claims({"claims": [_claim("decode_follows_bytes")]}, _analysis(), ENV)[0]
+    assert ok["verdict"] == "holds" and "b reads 2.00× the bytes of a" in ok["measured"]
+    flat = _analysis(decode=[_decode("a", 2e9, 15.0), _decode("b", 4e9, 12.0)])
+    bad = check_claims({"claims": [_claim("decode_follows_bytes")]}, flat, ENV)[0]
+    assert bad["verdict"] == "does not hold" and "largest miss 60%" in bad["why"]
+    one = check_claims({"claims": [_claim("decode_follows_bytes")]},
+                       _analysis(decode=[_decode("a", 2e9, 15.0)]), ENV)[0]
+    assert one["verdict"] == "not measured"
+
+
+def test_quantization_claim_says_why_prefill_gained():
+    quant = [{"dtype": "q4_0", "baseline": "f32", "decode_speedup": 4.1,
+              "prefill_speedup": 1.72}]
+    c = check_claims({"claims": [_claim("quant_helps_decode_not_prefill")]},
+                     _analysis(quant=quant), ENV)[0]
+    assert c["verdict"] == "does not hold"
+    assert "prefill gained 1.72×, more than 1.30×" in c["why"] and "AVX512_VNNI" in c["why"]
+    quant[0]["prefill_speedup"] = 1.1
+    held = check_claims({"claims": [_claim("quant_helps_decode_not_prefill")]},
+                        _analysis(quant=quant), ENV)[0]
+    assert held["verdict"] == "holds"
+
+
+def test_other_claims_decide_from_the_numbers():
+    batching = [{"parallel": 4, "speedup": 2.6, "per_sequence_tok_s": {"n": 6, "median": 9.0}}]
+    phase = [{"phase": "prefill", "model": "a", "dtype": "f32", "compute_share": 0.9,
+              "stream_share": 0.08},
+             {"phase": "decode", "model": "a", "dtype": "f32", "compute_share": 0.13,
+              "stream_share": 0.95}]
+    a = _analysis(batching=batching, phase_use=phase)
+    claims = [_claim("batching_gain"), _claim("prefill_compute_decode_memory"),
+              _claim("long_prompt_first_token", min_tokens=200),
+              _claim("share_of_plain_memory", low=0.5, high=0.8)]
+    got = {c["claim"]: c for c in check_claims({"claims": claims}, a, ENV)}
+    assert got["batching_gain"]["verdict"] == "holds"
+    assert got["prefill_compute_decode_memory"]["verdict"] == "holds"
+    # 4096 tokens at 150 tok/s = 27.3 s; a decode step of a is 66.7 ms: 410 steps
+    assert got["long_prompt_first_token"]["verdict"] == "holds"
+    assert "27.3 s before the first token, the time of 410 decode steps" in \
+        got["long_prompt_first_token"]["measured"]
+    # 15 tok/s x 2 GB = 30 GB/s of 40: 75%; b 74%, c 77%
+    assert got["share_of_plain_memory"]["verdict"] == "holds"
+    assert got["share_of_plain_memory"]["measured"] == \
+        "decode reached 74%–76% of the numpy copy bandwidth"
+
+
+def test_knee_note_with_two_thread_counts_says_what_it_cannot_show():
+    assert "cannot show where the gain ends" in _knee_note("decode", "m", "f32", 2, 2)
+    assert "knee at 2 threads of 8" in _knee_note("decode", "m", "f32", 2, 8)
+
+
+def test_batching_note_beyond_the_measured_range_is_an_estimate():
+    def row(b, tok_s, ridge):
+        return {"parallel": b, "tok_s": {"n": 6, "median": tok_s}, "ridge_parallel": ridge,
+                "stream_gb_s": 30.0, "compute_gflop_s": 150.0, "share_of_bound": 0.5}
+
+    group = [row(1, 15.0, 11.3), row(8, 63.0, 11.3), row(16, 85.1, 11.3)]
+    text = _batching_note(("m", "f32", 2), group)
+    assert "from 8 to 16 sequences the aggregate still grew by +35%" in text
+    assert "inside the measured range" in text
+    short = _batching_note(("m", "f32", 2), group[:2])
+    assert "beyond the largest batch measured (8)" in short and "(estimated)" in short
+    assert "gain stops" not in short
+
+
+def test_a_single_model_page_has_no_size_sentence():
+    data = {"analysis": _analysis(decode=[_decode("a", 2e9, 15.0)]), "main": ("a", "f32", 2),
+            "claims": []}
+    text = " ".join(findings(data))
+    assert "fit" not in text and "Decode slowed" not in text
+    assert "each decoded token took as long as 12 prompt tokens" in text  # 66.7 / 5.6 ms
+
+
+NUMBER = re.compile(r"(\d+(?:\.\d+)?)(%|×)")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 1.5), st.floats(0.05, 1.5), st.floats(0.01, 0.6), st.floats(0.3, 1.3),
+       st.floats(1.0, 6.0), st.floats(0.8, 3.0), st.floats(1.0, 8.0))
+def test_every_share_and_speedup_in_the_findings_is_in_the_data(pc, ps, dc, ds, qd, qp, bs):
+    """No sentence prints a percentage or a speed-up that the data does not hold."""
+    phase = [{"phase": "prefill", "model": "a", "dtype": "f32", "compute_share": pc,
+              "stream_share": ps, "threads": 2},
+             {"phase": "decode", "model": "a", "dtype": "f32", "compute_share": dc,
+              "stream_share": ds, "threads": 2}]
+    quant = [{"dtype": "q4_0", "baseline": "f32", "decode_speedup": qd, "prefill_speedup": qp,
+              "bits_per_weight": 5.0, "byte_reduction": 5.7, "bytes_per_token": 1e8}]
+    batching = [{"parallel": 4, "speedup": bs, "per_sequence_tok_s": {"n": 6, "median": 3.0}}]
+    data = {"analysis": _analysis(phase_use=phase, quant=quant, batching=batching),
+            "main": ("a", "f32", 2), "claims": []}
+    allowed = {f"{v:.0%}" for v in (pc, ps, dc, ds)}
+    allowed |= {f"{v:.2f}×" for v in (qd, qp, bs)} | {"5.7×", "100%"}  # 100%: the threshold
+    for line in findings(data):
+        for value, unit in NUMBER.findall(line):
+            assert f"{value}{unit}" in allowed, (value + unit, line)
+
+
+def _lesson_page():
+    import os
+    from pathlib import Path
+
+    from harness.lesson import lesson_data, render_lesson
+    from harness.reference import reference_from_header
+    from harness.reportio import analysis_of, load_run
+
+    runs = Path(__file__).resolve().parent / "fixtures" / "runs"
+    golden = Path(__file__).resolve().parent / "fixtures" / "golden" / "tiny_lesson.md"
+    _, records = load_run(runs / "tiny_lesson")
+    data = lesson_data(records, analysis_of(records), reference_from_header(records.header))
+    text = render_lesson(data, ["decode_vs_bytes.png", "prefill_vs_prompt.png",
+                                "decode_per_token.png"])
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    return records, text, golden.read_text()
+
+
+def test_lesson_page_matches_golden_and_its_numbers_follow_from_the_samples():
+    import statistics
+
+    records, text, golden = _lesson_page()
+    assert text == golden
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## Findings"  # findings first, diagnostics last
+    assert sections[-1] == "## Appendix: diagnostics"
+    assert "## The lesson's claims, checked on this machine" in sections
+    # the side-by-side table: each prefill row's tok/s is the median of its raw samples
+    for m in records.measurements:
+        if m["model"] == "tiny-qwen2" and m["dtype"] == "f32" and not m["n_gen"] \
+                and m.get("parallel", 1) == 1:
+            rate = statistics.median(m["n_prompt"] / s for s in m["samples"]["prefill_s"])
+            row = next(line for line in text.splitlines()
+                       if line.startswith(f"| prefill | {m['n_prompt']:,} prompt tokens"))
+            assert f"| {rate:.2f} (" in row
+    assert "no fit" not in text
+
+
+def test_lever_findings_say_what_each_lever_did():
+    a = _analysis(
+        kv_depth=[{"model": "a", "kv_type": "f16", "depth": 8192, "predicted_slowdown": 1.05,
+                   "measured_slowdown": {"n": 6, "median": 1.41}}],
+        threads=[{"phase": "decode", "model": "a", "threads": 1, "speedup": 1.0},
+                 {"phase": "decode", "model": "a", "threads": 2, "speedup": 1.75}],
+        prefix=[{"shared_prefix": 2048, "recompute_s": {"n": 6, "median": 15.66},
+                 "seq_copy_s": {"n": 6, "median": 0.49}, "seq_copy_saving": 0.969}])
+    text = " ".join(findings({"analysis": a, "main": None, "claims": []}))
+    assert "With 8,192 tokens already cached, decode of a ran 1.41× slower" in text
+    assert "predict 1.05×" in text
+    assert "Decode of a ran 1.75× faster on 2 threads than on 1." in text
+    assert "from 15.66 s to 0.49 s (a 97% saving)" in text
+
+
+def test_stability_finds_two_regimes_and_disturbed_rounds():
+    from harness.analysis import stability
+
+    reads = [[30.0, 31.0]] * 6 + [[48.0, 50.0]] * 4
+    m = {"samples": {"read_gb_s": reads}}
+    rounds = [{"round": i, "idle_other_cores": 0.5 if i == 3 else 0.0} for i in range(10)]
+    st_ = stability([m], rounds, noisy_cores=0.1)
+    assert st_["n_reads"] == 20 and st_["disturbed_rounds"] == [3]
+    (slow, fast) = st_["regimes"]
+    assert slow["median_gb_s"] == 30.5 and slow["share"] == 0.6
+    assert fast["median_gb_s"] == 49.0 and fast["share"] == 0.4
+    steady = stability([{"samples": {"read_gb_s": [[30.0, 31.0]] * 10}}], [], 0.1)
+    assert "regimes" not in steady
