@@ -50,8 +50,9 @@ def relative_ci(samples: list[float]) -> float | None:
     return max(mid - lo, hi - mid) / mid
 
 
-def stop_reason(samples: list[float], policy: Policy) -> str | None:
-    """Why a cell leaves the rounds now ("fixed", "target", "max"), or None to go on."""
+def stop_reason(samples: list[float], policy: Policy, over_budget: bool = False) -> str | None:
+    """Why a cell leaves the rounds now ("fixed", "target", "max", "budget"), or None to go
+    on. The run's time budget stops only `auto` cells, and never before min_repetitions."""
     n = len(samples)
     if not policy.auto:
         return "fixed" if n >= policy.repetitions else None
@@ -60,12 +61,9 @@ def stop_reason(samples: list[float], policy: Policy) -> str | None:
     ci = relative_ci(samples)
     if n >= policy.min_repetitions and ci is not None and ci <= policy.target_ci:
         return "target"
+    if over_budget and n >= policy.min_repetitions:
+        return "budget"
     return None
-
-
-def budget_reason(n: int, policy: Policy) -> str:
-    """Why a cell stopped when the time budget ran out."""
-    return "fixed-budget" if not policy.auto and n < policy.repetitions else "budget"
 
 
 def group_by_memory(needs: dict[str, int], available: int | None) -> list[list[str]]:

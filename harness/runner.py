@@ -304,9 +304,7 @@ class _Rounds:
         for m in (m for m in active if m.id not in self.failed):
             samples = target_samples(m, [r["rep"] for r in self.reps[m.id]])
             policy = m.settings.policy
-            reason = stop_reason(samples, policy)
-            if reason is None and over and policy.auto and len(samples) >= policy.min_repetitions:
-                reason = "budget"
+            reason = stop_reason(samples, policy, over_budget=over)
             if reason:
                 self._write_measurement(m, reason)
                 continue

@@ -37,10 +37,8 @@ def _run(policy: Policy, sd: float, budget_n: int | None = None) -> tuple[int, s
     samples, stream = [], _stream(sd)
     while True:
         samples.append(next(stream))
-        reason = stop_reason(samples, policy)
-        if reason is None and budget_n is not None and len(samples) >= budget_n \
-                and len(samples) >= policy.min_repetitions:
-            reason = "budget"
+        over = budget_n is not None and len(samples) >= budget_n
+        reason = stop_reason(samples, policy, over_budget=over)
         if reason:
             return len(samples), reason
 
@@ -62,6 +60,7 @@ def test_adaptive_never_stops_before_min_repetitions_and_stops_at_max_or_budget(
     n, why = _run(Policy(None, target_ci=0.001, min_repetitions=12), 10.0, budget_n=5)
     assert (n, why) == (12, "budget")  # the budget waits for min_repetitions
     assert _run(Policy(5), sd=10.0) == (5, "fixed")
+    assert _run(Policy(5), sd=10.0, budget_n=2) == (5, "fixed")  # the budget spares fixed counts
 
 
 def test_relative_ci_needs_enough_samples_for_95_percent():
