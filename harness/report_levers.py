@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .stats import center
-from .tabular import Column, Table, notes_for
+from .tabular import ABOVE_CEILING_NOTE, Column, Table, notes_for
 
 GIB = 2**30
 
@@ -201,6 +201,8 @@ def threads_table(analysis: dict) -> list[Table]:
                  "÷ ggml's streaming ceiling for decode, achieved GFLOP/s ÷ ggml's compute "
                  "peak for prefill, each over the model's tensor types).")
     notes += _ceiling_notes(rows)
+    if any((r.get("share_of_ceiling") or 0) > 1 for r in rows):
+        notes.append(ABOVE_CEILING_NOTE)
     return [Table("threads", "Threads: how prefill and decode scale", [
         Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
         Column("test", "test"), Column("threads", "threads", "int"),
