@@ -66,7 +66,7 @@ WORKLOADS = [
     ("long-form generation", 200, 2000),
 ]
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 6
+ANALYSIS_VERSION = 7
 MEMORY_BOUND_R2 = 0.90
 MEMORY_BOUND_SPREAD = 0.25  # every point's effective bandwidth within 25% of the fit
 MEMORY_BOUND_SHARE = 0.50  # the fitted bandwidth at least half the streaming ceiling

@@ -102,7 +102,7 @@ def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
                              strict=False):
             if rnd is not None and rate:
                 pairs.setdefault(rnd, [None, None])[side] = rate
-    ratios = [x / y for x, y in pairs.values() if x and y]
+    ratios = [x / y for _, (x, y) in sorted(pairs.items()) if x and y]
     if len(ratios) >= 2:
         return summarize(ratios) | {"paired": True}
     ours, theirs = center(a.get(f"{phase}_tok_s")), center(b.get(f"{phase}_tok_s"))

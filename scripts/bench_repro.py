@@ -3,7 +3,8 @@
 
 For every cell: the ratio of the two runs' median tok/s and of their median paired read ratio
 (decode's effective bandwidth over the page reads right beside it), whether each run's stated
-95% CI of the median covers the other run's median, and which regimes each run saw. Goals for
+95% CIs together cover the difference (|m2 - m1| <= sqrt(h1² + h2²)), and which regimes each
+run saw. Goals for
 decode_sweep and prefill_sweep: paired read ratios within ±3%, tok/s medians within ±5%.
 
     python scripts/bench_repro.py scenarios/decode_sweep.yaml --out reports/repro
@@ -13,6 +14,7 @@ decode_sweep and prefill_sweep: paired read ratios within ±3%, tok/s medians wi
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,36 +37,59 @@ def cells(run: Path) -> tuple[dict, dict]:
     return {m["id"]: (m, decode.get(m["id"])) for m in records.measurements}, analysis
 
 
-def _covers(summary: dict, value: float) -> bool | None:
+def _covers(a: dict, b: dict) -> bool | None:
+    """Whether the two medians differ by no more than their stated 95% CIs combined:
+    |m2 - m1| <= sqrt(h1² + h2²), each h the half-width of a run's interval."""
+    from harness.stats import center
+
+    ci_a, ci_b = a.get("median_ci95"), b.get("median_ci95")
+    if not ci_a or not ci_b:
+        return None
+    half = math.hypot((ci_a[1] - ci_a[0]) / 2, (ci_b[1] - ci_b[0]) / 2)
+    return abs(center(a) - center(b)) <= half
+
+
+def _half(summary: dict) -> str:
     ci = summary.get("median_ci95")
-    return None if not ci else ci[0] <= value <= ci[1]
+    return f"±{(ci[1] - ci[0]) / 2 / summary['median']:.1%}" if ci else "-"
+
+
+def _row(cell_id: str, a: tuple, b: tuple, worst: dict) -> str:
+    from harness.stats import center
+
+    (ma, da), (mb, db) = a, b
+    key = "decode_tok_s" if ma["n_gen"] else "prefill_tok_s"
+    ratio = center(mb[key]) / center(ma[key])
+    worst["tok_s"].append((abs(ratio - 1), _covers(ma[key], mb[key])))
+    cols = [f"{ratio:.3f}", _half(ma[key]), _half(mb[key]), str(_covers(ma[key], mb[key]))]
+    pa, pb = (da or {}).get("paired_read_ratio"), (db or {}).get("paired_read_ratio")
+    if pa and pb:
+        p = center(pb) / center(pa)
+        worst["paired"].append((abs(p - 1), _covers(pa, pb)))
+        cols += [f"{p:.3f}", _half(pa), _half(pb), str(_covers(pa, pb))]
+    else:
+        cols += [""] * 4
+    cols += [str(ma["repetitions"]), str(mb["repetitions"])]
+    return f"{cell_id[:50]:<50} " + " ".join(f"{c:>7}" for c in cols)
 
 
 def compare(runs: list[Path]) -> int:
+    """Print the per-cell table, the largest differences and how many the CIs covered."""
     from harness.report import stability_lines
-    from harness.stats import center
 
     (a, analysis_a), (b, analysis_b) = cells(runs[0]), cells(runs[1])
-    print(f"{'cell':<58} {'tok/s 2/1':>9} {'CIs cover':>9} {'paired 2/1':>10} {'n1':>4} "
-          f"{'n2':>4}")
-    worst = {"tok_s": 0.0, "paired": 0.0}
+    heads = ["tok 2/1", "CI 1", "CI 2", "covered", "pair2/1", "CI 1", "CI 2", "covered", "n1",
+             "n2"]
+    print(f"{'cell':<50} " + " ".join(f"{h:>7}" for h in heads))
+    worst: dict[str, list] = {"tok_s": [], "paired": []}
     for cell_id in a:
-        if cell_id not in b:
-            continue
-        (ma, da), (mb, db) = a[cell_id], b[cell_id]
-        key = "decode_tok_s" if ma["n_gen"] else "prefill_tok_s"
-        ra, rb = center(ma[key]), center(mb[key])
-        covers = _covers(ma[key], rb) and _covers(mb[key], ra)
-        paired = ""
-        if da and db and da.get("paired_read_ratio") and db.get("paired_read_ratio"):
-            p = center(db["paired_read_ratio"]) / center(da["paired_read_ratio"])
-            worst["paired"] = max(worst["paired"], abs(p - 1))
-            paired = f"{p:.3f}"
-        worst["tok_s"] = max(worst["tok_s"], abs(rb / ra - 1))
-        print(f"{cell_id[:58]:<58} {rb / ra:>9.3f} {str(covers):>9} {paired:>10} "
-              f"{ma['repetitions']:>4} {mb['repetitions']:>4}")
-    print(f"\nlargest difference: tok/s medians {worst['tok_s']:.1%}, "
-          f"paired read ratios {worst['paired']:.1%}")
+        if cell_id in b:
+            print(_row(cell_id, a[cell_id], b[cell_id], worst))
+    for name, label in (("tok_s", "tok/s medians"), ("paired", "paired read ratios")):
+        diffs = worst[name]
+        if diffs:
+            print(f"{label}: largest difference {max(d for d, _ in diffs):.1%}; the two runs' "
+                  f"stated 95% CIs covered {sum(bool(c) for _, c in diffs)} of {len(diffs)}")
     for name, analysis in (("run 1", analysis_a), ("run 2", analysis_b)):
         for line in stability_lines(analysis.get("stability") or {}):
             print(f"{name}: {line}")

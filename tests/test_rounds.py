@@ -1,5 +1,6 @@
 """Interleaved rounds: scheduling, adaptive stopping, paired ratios under drift, resume."""
 
+import math
 import random
 import statistics
 
@@ -13,6 +14,7 @@ from harness.rounds import (
     round_order,
     stop_reason,
 )
+from harness.stats import batch_half_width, median_ci, order_ci, summarize
 
 IDS = [f"cell{i}" for i in range(6)]
 
@@ -65,7 +67,9 @@ def test_adaptive_never_stops_before_min_repetitions_and_stops_at_max_or_budget(
 
 def test_relative_ci_needs_enough_samples_for_95_percent():
     assert relative_ci([1.0] * 5) is None  # min-max covers the median with 94% only
-    assert relative_ci([10, 11, 9, 10, 10, 10]) == pytest.approx(0.1)
+    # batch medians 10.5, 9.5, 10: t(0.975, 2)·0.5/√3 = 1.242, wider than min-max's ±1
+    assert relative_ci([10, 11, 9, 10, 10, 10]) == pytest.approx(0.1242, abs=1e-4)
+    assert relative_ci([9, 11, 10, 10, 11, 9]) == pytest.approx(0.1)  # steady batches: min-max
 
 
 def _record(rounds: list[int], rates: list[float]) -> dict:
@@ -95,3 +99,49 @@ def test_groups_fit_in_ram_largest_first():
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 12) == [["a", "b", "c"]]
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 9) == [["a", "b"], ["c"]]
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 7) == [["a"], ["b", "c"]]
+
+
+def _regime_run(rng: random.Random, n: int) -> list[float]:
+    """A machine that flips between a fast (100) and a slow (75) spell that lasts many rounds,
+    with 5% noise per repetition: what this VM does for minutes at a time."""
+    fast, out = rng.random() < 0.5, []
+    for _ in range(n):
+        if rng.random() < 0.08:
+            fast = not fast
+        out.append((100.0 if fast else 75.0) * rng.gauss(1.0, 0.05))
+    return out
+
+
+def _two_run_coverage(ci) -> float:
+    """How often two runs' difference of medians lies within their combined 95% half-widths."""
+    rng, covered = random.Random(7), 0
+    for _ in range(300):
+        a, b = _regime_run(rng, 20), _regime_run(rng, 20)
+        (lo_a, hi_a), (lo_b, hi_b) = ci(a)[0], ci(b)[0]
+        half = math.hypot((hi_a - lo_a) / 2, (hi_b - lo_b) / 2)
+        covered += abs(statistics.median(a) - statistics.median(b)) <= half
+    return covered / 300
+
+
+def test_batch_medians_widen_the_ci_until_it_covers_two_runs_under_long_regimes():
+    assert _two_run_coverage(order_ci) < 0.6  # rounds are not independent: far too narrow
+    assert _two_run_coverage(median_ci) >= 0.88
+
+
+def test_batch_medians_leave_independent_samples_nearly_alone():
+    rng = random.Random(3)
+    covered, widths = 0, []
+    for _ in range(300):
+        xs = [rng.gauss(100.0, 5.0) for _ in range(20)]
+        (lo, hi), _ = median_ci(xs)
+        covered += lo <= 100.0 <= hi
+        widths.append((hi - lo) / (order_ci(xs)[0][1] - order_ci(xs)[0][0]))
+    assert covered / 300 >= 0.95
+    assert statistics.median(widths) < 2.5  # the price of three batches: t(0.975, 2) = 4.3
+    assert batch_half_width([1.0] * 5) is None  # under two samples per batch
+
+
+def test_summaries_keep_the_independent_interval_beside_the_stated_one():
+    s = summarize([10.0] * 8 + [20.0] * 5 + [10.0] * 8)
+    assert s["median_ci95_independent"] == [10.0, 10.0]
+    assert s["median_ci95"][1] > 20.0  # the middle stretch of the run ran at another level
