@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HarnessError
+from .core.errors import EXIT_FAILURE, EXIT_INTERRUPTED, HarnessError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,8 +24,8 @@ def models(ctx: click.Context, as_json: bool) -> None:
     """List every model spec: shapes, parameters, sizes and bytes per token."""
     if ctx.invoked_subcommand:
         return
-    from .specs import all_specs
-    from .tables import models_rows, render_models_table
+    from .core.specs import all_specs
+    from .report.tables import models_rows, render_models_table
 
     rows = models_rows(all_specs())
     click.echo(json.dumps(rows, indent=1) if as_json else render_models_table(rows))
@@ -39,9 +39,9 @@ def models(ctx: click.Context, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing spec file.")
 def models_import(config: str, out: Path | None, name: str | None, force: bool) -> None:
     """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id)."""
-    from .build import write_text_atomically
-    from .hfimport import load_config, render_spec_yaml, spec_dict_from_config
-    from .specs import models_dir
+    from .core.specs import models_dir
+    from .engine.build import write_text_atomically
+    from .weights.hfimport import load_config, render_spec_yaml, spec_dict_from_config
 
     data, default_name, source = load_config(config)
     spec = spec_dict_from_config(data, name or default_name, source, config)
@@ -63,9 +63,9 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
 def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path | None) -> None:
     """Write a random-weight GGUF of MODEL (a spec name or spec file) and print its path."""
-    from .build import build as build_model
-    from .dtypes import get_dtype
-    from .specs import resolve_spec
+    from .core.dtypes import get_dtype
+    from .core.specs import resolve_spec
+    from .engine.build import build as build_model
 
     spec, kind = resolve_spec(model), get_dtype(dtype, key="--dtype")
     with _ByteProgress(f"building {spec.name} {kind.name}") as bar:
@@ -86,11 +86,11 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
 def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         cache_dir: Path | None) -> None:
     """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
-    from .env import collect_env, physical_cores
-    from .results import RunWriter
+    from .engine.env import collect_env, physical_cores
+    from .engine.results import RunWriter
+    from .engine.scenario import load_scenario
+    from .report.tables import render_analysis, render_summary, round_line
     from .runner import Console, preflight, run_scenario
-    from .scenario import load_scenario
-    from .tables import render_analysis, render_summary, round_line
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
@@ -117,7 +117,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
             raise
         click.echo(render_summary(writer.records.measurements))
         click.echo("\n" + render_analysis(analysis))
-        from .reportio import write_report
+        from .report.files import write_report
 
         click.echo(f"\nreport: {write_report(run_dir, writer.records)}")
         failures = writer.records.failures
@@ -134,10 +134,10 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
 def check(scenario: Path, cache_dir: Path | None) -> None:
     """Validate SCENARIO and list what `run` would measure, without running anything."""
-    from .env import physical_cores
+    from .engine.env import physical_cores
+    from .engine.scenario import load_scenario
+    from .report.tables import repetitions_label, test_label
     from .runner import plan_summary, preflight
-    from .scenario import load_scenario
-    from .tables import repetitions_label, test_label
 
     plan = load_scenario(scenario, physical_cores())
     preflight(plan, list(plan.measurements), cache_dir)
@@ -175,7 +175,7 @@ def _interruptible(fn):
     """Run fn in a worker thread so Ctrl-C reaches us even inside a long llama.cpp call."""
     import threading
 
-    from .llama import clear_abort, request_abort
+    from .engine.llama import clear_abort, request_abort
 
     outcome: dict = {}
 
@@ -213,7 +213,7 @@ def _interruptible(fn):
                    "default: the lesson page when the scenario has a reference block.")
 def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> None:
     """Re-render the report of a run (also of an interrupted one) from its stored results."""
-    from .reportio import load_run, write_report
+    from .report.files import load_run, write_report
 
     directory, records = load_run(run_dir)
     click.echo(str(write_report(directory, records, out, fmt, lesson)))
@@ -225,9 +225,9 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> No
               help="Write the markdown here instead of printing it.")
 def compare(runs: tuple[Path, ...], out: Path | None) -> None:
     """Compare runs: the same measurements side by side, ratios, and what exceeds the noise."""
-    from .build import write_text_atomically
-    from .compare import compare_runs, render_compare_markdown
-    from .reportio import load_run
+    from .engine.build import write_text_atomically
+    from .report.compare import compare_runs, render_compare_markdown
+    from .report.files import load_run
 
     if len(runs) < 2:
         raise HarnessError("compare needs at least two runs", fix="harness compare RUN_A RUN_B")
@@ -256,10 +256,10 @@ def probe(thread_list: str | None, size_mib: int | None, dtype_list: str, passes
           as_json: bool) -> None:
     """Measure this machine's ceilings: numpy read and copy bandwidth, and per weight type
     ggml's streaming bandwidth (matrix-vector) and compute peak (matrix-matrix)."""
-    from .env import physical_cores
-    from .probe import probe as run_probe
-    from .probe import probe_dtypes
-    from .tables import render_probe
+    from .engine.env import physical_cores
+    from .engine.probe import probe as run_probe
+    from .engine.probe import probe_dtypes
+    from .report.tables import render_probe
 
     threads = sorted({1, physical_cores()})
     if thread_list:
@@ -285,8 +285,8 @@ def probe(thread_list: str | None, size_mib: int | None, dtype_list: str, passes
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def env(as_json: bool) -> None:
     """Describe this machine and the library versions results are measured with."""
-    from .env import collect_env
-    from .tables import render_env
+    from .engine.env import collect_env
+    from .report.tables import render_env
 
     info = collect_env()
     click.echo(json.dumps(info, indent=1) if as_json else render_env(info))

@@ -9,31 +9,32 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from . import __version__, noise
-from .analysis import analyze_records
-from .build import (
-    build,
-    check_build_space,
-    estimated_n_bytes,
-    file_sha256,
-    missing_build_n_bytes,
-)
-from .costs import (
+from . import __version__
+from .core.costs import (
     decode_n_bytes_by_type,
     decode_weight_n_bytes,
     kv_n_bytes_per_token,
     matmul_n_params_by_type,
     weights_n_bytes,
 )
-from .dtypes import DTYPES
-from .env import available_ram_bytes
-from .errors import HarnessError, MeasurementError
-from .gguf_inspect import spec_from_gguf, tensor_table
-from .measure import now_iso, target_samples
-from .results import SCHEMA_VERSION, RunWriter
-from .rounds import group_by_memory, relative_ci, round_order, stop_reason
-from .scenario import Measurement, ModelRef, Scenario
-from .specs import ModelSpec, resolve_spec
+from .core.dtypes import DTYPES
+from .core.errors import HarnessError, MeasurementError
+from .core.rounds import group_by_memory, relative_ci, round_order, stop_reason
+from .core.specs import ModelSpec, resolve_spec
+from .engine import noise
+from .engine.build import (
+    build,
+    check_build_space,
+    estimated_n_bytes,
+    file_sha256,
+    missing_build_n_bytes,
+)
+from .engine.env import available_ram_bytes
+from .engine.measure import now_iso, target_samples
+from .engine.results import SCHEMA_VERSION, RunWriter
+from .engine.scenario import Measurement, ModelRef, Scenario
+from .report.analyze import analyze_records
+from .weights.gguf_inspect import spec_from_gguf, tensor_table
 
 
 class NoisyMachine(HarnessError):
@@ -99,7 +100,7 @@ class _RunProber:
         self.writer, self.console, self.error = writer, console, None
         try:
             if factory is None:
-                from .probe import Prober as factory
+                from .engine.probe import Prober as factory
             self.prober = factory(dtypes)
         except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
             self.prober, self.error = None, f"{type(exc).__name__}: {exc}"
@@ -119,8 +120,8 @@ class _RunProber:
     def pages(self, path: Path, dtypes: list[str], decode_n_bytes: dict[str, int]):
         """The reader a decode repetition is bracketed by: the model's mapped pages, or an
         anonymous buffer when most of its bytes are repacked at load (None if it cannot)."""
-        from .gguf_inspect import tensor_data_span
-        from .probe import PageReader
+        from .engine.probe import PageReader
+        from .weights.gguf_inspect import tensor_data_span
 
         try:
             offset, n_bytes = tensor_data_span(path)
@@ -228,7 +229,7 @@ class _Rounds:
                 model.close()
 
     def _load(self) -> list[Measurement]:
-        from .llama import Model
+        from .engine.llama import Model
 
         for key in dict.fromkeys(m.model.key for m in self.todo):
             path, dtypes = self.files[key]
@@ -284,7 +285,7 @@ class _Rounds:
                     cell.close()
 
     def _repetition(self, m: Measurement, round_index: int, position: int) -> None:
-        from .measure import Cell
+        from .engine.measure import Cell
 
         if m.id not in self.cells:
             self.cells[m.id] = Cell(self.models[m.model.key], m, self.scenario.seed,
@@ -319,7 +320,7 @@ class _Rounds:
         return still
 
     def _write_measurement(self, m: Measurement, reason: str) -> None:
-        from .measure import make_record
+        from .engine.measure import make_record
 
         cell = self.cells.pop(m.id, None)
         reps = [r["rep"] for r in self.reps[m.id]]

@@ -55,10 +55,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="Where to write (default: cache).")
     args = parser.parse_args()
 
-    from harness.build import cache_dir
-    from harness.dtypes import get_dtype
-    from harness.gguf_build import file_n_bytes
-    from harness.specs import resolve_spec
+    from harness.core.dtypes import get_dtype
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import cache_dir
+    from harness.weights.gguf_build import file_n_bytes
 
     spec, dtype = resolve_spec(args.model), get_dtype(args.dtype)
     n_bytes = file_n_bytes(spec, dtype)

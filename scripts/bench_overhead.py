@@ -24,10 +24,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    from harness.build import build
-    from harness.dtypes import DTYPES
-    from harness.llama import ContextParams, Model, open_context
-    from harness.specs import resolve_spec
+    from harness.core.dtypes import DTYPES
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
+    from harness.engine.llama import ContextParams, Model, open_context
 
     built = build(resolve_spec(args.model), DTYPES["f32"])
     params = ContextParams(n_ctx=args.tokens + 16, n_batch=512, n_ubatch=512,

@@ -29,7 +29,7 @@ def run_twice(scenario: Path, out: Path) -> list[Path]:
 
 
 def cells(run: Path) -> tuple[dict, dict]:
-    from harness.reportio import analysis_of, load_run
+    from harness.report.files import analysis_of, load_run
 
     _, records = load_run(run)
     analysis = analysis_of(records)
@@ -40,7 +40,7 @@ def cells(run: Path) -> tuple[dict, dict]:
 def _covers(a: dict, b: dict) -> bool | None:
     """Whether the two medians differ by no more than their stated 95% CIs combined:
     |m2 - m1| <= sqrt(h1² + h2²), each h the half-width of a run's interval."""
-    from harness.stats import center
+    from harness.core.stats import center
 
     ci_a, ci_b = a.get("median_ci95"), b.get("median_ci95")
     if not ci_a or not ci_b:
@@ -55,7 +55,7 @@ def _half(summary: dict) -> str:
 
 
 def _row(cell_id: str, a: tuple, b: tuple, worst: dict) -> str:
-    from harness.stats import center
+    from harness.core.stats import center
 
     (ma, da), (mb, db) = a, b
     key = "decode_tok_s" if ma["n_gen"] else "prefill_tok_s"
@@ -75,7 +75,7 @@ def _row(cell_id: str, a: tuple, b: tuple, worst: dict) -> str:
 
 def compare(runs: list[Path]) -> int:
     """Print the per-cell table, the largest differences and how many the CIs covered."""
-    from harness.report import stability_lines
+    from harness.report.page import stability_lines
 
     (a, analysis_a), (b, analysis_b) = cells(runs[0]), cells(runs[1])
     heads = ["tok 2/1", "CI 1", "CI 2", "covered", "pair2/1", "CI 1", "CI 2", "covered", "n1",

@@ -1,19 +1,19 @@
 import pytest
 
-from harness import analysis, ceilings
-from harness.analysis import fit_through_origin, fit_verdicts
-from harness.costs import (
+from harness.analysis import ceilings, estimates
+from harness.analysis.phases import fit_through_origin, fit_verdicts
+from harness.core.costs import (
     decode_weight_n_bytes,
     kv_n_bytes_per_token,
     mean_decode_context,
     prefill_flops,
     weights_n_bytes,
 )
-from harness.dtypes import DTYPES
-from harness.gguf_build import table_from_plan
-from harness.probe import plan_array_n_bytes, probe
-from harness.specs import resolve_spec
-from harness.stats import half_width
+from harness.core.dtypes import DTYPES
+from harness.core.specs import resolve_spec
+from harness.core.stats import center, half_width
+from harness.engine.probe import plan_array_n_bytes, probe
+from harness.weights.gguf_build import table_from_plan
 
 
 def test_qwen_half_b_bytes_per_token_with_tied_embedding():
@@ -65,7 +65,8 @@ def test_fit_recovers_a_known_bandwidth():
 
 def _row(model, n_bytes, tok_s, dtype="f32", ceiling=40.0, cv=0.01, flags=()):
     effective = tok_s * n_bytes / 1e9
-    return {"model": model, "dtype": dtype, "threads": 2, "bytes_per_token": n_bytes,
+    return {"id": f"{model}|{dtype}", "model": model, "dtype": dtype, "threads": 2,
+            "n_gen": 64, "bytes_per_token": n_bytes,
             "tok_s": {"n": 5, "median": tok_s, "cv": cv}, "effective_gb_s": effective,
             "share_of_stream": effective / ceiling, "flags": list(flags)}
 
@@ -136,13 +137,13 @@ def test_estimate_bands_use_the_real_file_where_the_run_has_it():
     table = {"m": {"q4_0": 1e9, "f32": 4e9}}
     models = {"m|q4_0": {"decode_weight_n_bytes": 1.25e9}}
     fits = [{"fit": {"gb_s": 30.0, "n_points": 3}}]
-    p = analysis.predictions(fits, [], models, table)
+    p = estimates.predictions(fits, [], models, table)
     here = {r["dtype"]: r for r in p["this_machine"]}
     assert here["q4_0"]["bytes_from"] == "file" and here["q4_0"]["tok_s"] == pytest.approx(24)
     assert here["f32"]["bytes_from"] == "nominal" and here["f32"]["tok_s"] == pytest.approx(7.5)
     h100 = next(r for r in p["reference"] if r["hardware"].startswith("NVIDIA H100")
                 and r["dtype"] == "q4_0")
-    low, high, _ = analysis.BANDS["gpu"]
+    low, high, _ = estimates.BANDS["gpu"]
     assert h100["tok_s_low"] == pytest.approx(3350 * low / 1.25)
     assert h100["tok_s_high"] == pytest.approx(3350 * high / 1.25)
     ddr = next(r for r in p["reference"] if r["class"] == "cpu" and r["dtype"] == "f32")
@@ -157,7 +158,7 @@ def test_workloads_match_threads_and_use_the_nearest_depth():
             "tok_s": {"n": 5, "median": rate}} for t, rate in ((1, 5.0), (2, 10.0))]
     kv = [{"model": "m", "dtype": "f32", "threads": 2, "kv_type": "f16", "depth": 8192,
            "n_gen": 32, "tok_s": {"n": 5, "median": 8.0}}]
-    rows = analysis.workload_balance(pre, dec, kv)
+    rows = estimates.workload_balance(pre, dec, kv)
     chat = next(r for r in rows if r["threads"] == 2 and r["workload"] == "chat")
     assert chat["prefill_s"] == pytest.approx(500 / 200) and chat["prefill_rate_from"] == 128
     assert chat["decode_s"] == pytest.approx(300 / 10.0) and not chat["extrapolated"]
@@ -188,7 +189,7 @@ def test_probe_structure_on_tiny_matrices():
 
 
 def test_kernel_probe_matrix_sizes_and_flops():
-    from harness.llama import KernelProbe
+    from harness.engine.llama import KernelProbe
 
     kp = KernelProbe(1 << 20)
     try:
@@ -206,9 +207,30 @@ def test_kernel_probe_matrix_sizes_and_flops():
 
 
 def test_probe_shrinks_arrays_when_ram_is_short(monkeypatch):
-    import harness.probe as p
+    import harness.engine.probe as p
 
     monkeypatch.setattr(p, "available_ram_bytes", lambda: 64 << 20)
     n, notes = plan_array_n_bytes(1 << 30)
     assert n == 16 << 20
     assert any("shrunk from 1024 MiB to 16 MiB" in note for note in notes)
+
+
+def test_round_fits_cancel_drift_and_give_each_model_its_residual():
+    """Three models at a true 30 GB/s; the machine runs 20% slower in odd rounds, and the
+    middle model always 10% below the line. Per round the fit follows the drift, and every
+    model's measured ÷ fitted ratio stays where it truly is."""
+    n_bytes, off = [1e9, 2e9, 4e9], [1.0, 0.9, 1.0]
+    rows = []
+    for i, (b, k) in enumerate(zip(n_bytes, off, strict=True)):
+        rates = [[r, 30e9 / b * k * (0.8 if r % 2 else 1.0)] for r in range(8)]
+        rows.append(_row(f"m{i}", b, rates[0][1]) | {"round_rates": rates})
+    (f,) = fit_verdicts(rows)
+    per_round = f["round_fit_gb_s"]
+    assert per_round["n"] == 8 and per_round["min"] < 0.85 * per_round["max"]
+    ratios = [center(r["measured_over_fit"]) for r in f["round_residuals"]]
+    expected = fit_through_origin(n_bytes, [30e9 / b * k for b, k in zip(n_bytes, off,
+                                                                          strict=True)])
+    assert ratios == pytest.approx([30e9 / b * k / (expected.gb_s * 1e9 / b)
+                                    for b, k in zip(n_bytes, off, strict=True)])
+    assert fit_verdicts([r | {"round_rates": r["round_rates"][:1]} for r in rows])[0].get(
+        "round_fit_gb_s") is None  # one common round: nothing to summarize

@@ -20,10 +20,10 @@ from conftest import assert_user_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.errors import HarnessError
-from harness.scenario import load_scenario
-from harness.specs import spec_from_doc
-from harness.yamlio import parse_yaml
+from harness.core.errors import HarnessError
+from harness.core.specs import spec_from_doc
+from harness.core.yamlio import parse_yaml
+from harness.engine.scenario import load_scenario
 
 BAD = Path(__file__).resolve().parent / "bad_inputs"
 CASES = sorted(p for p in BAD.iterdir() if p.name.startswith(("s_", "m_")))
@@ -140,7 +140,7 @@ _json_lines = st.lists(st.one_of(
 @_FAST
 @given(lines=_json_lines)
 def test_results_reader_reads_or_refuses(tmp_path, lines):
-    from harness.results import read_records
+    from harness.engine.results import read_records
 
     path = tmp_path / "results.jsonl"
     path.write_bytes(b"\n".join(lines))

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from harness import build as build_mod
-from harness.build import build, cache_dir, valid_cache_entry
-from harness.dtypes import DTYPES
-from harness.errors import HarnessError
-from harness.gguf_build import WEIGHT_STD, file_n_bytes
-from harness.llama import Context, ContextParams, Model
-from harness.specs import n_params, resolve_spec, tensor_plan
+from harness.core.dtypes import DTYPES
+from harness.core.errors import HarnessError
+from harness.core.specs import n_params, resolve_spec, tensor_plan
+from harness.engine import build as build_mod
+from harness.engine.build import build, cache_dir, valid_cache_entry
+from harness.engine.llama import Context, ContextParams, Model
+from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes
 
 TINY = ["tiny-qwen2", "tiny-llama"]
 

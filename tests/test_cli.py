@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, assert_user_error, run_subprocess
 
-from harness.specs import load_spec_file, n_params, resolve_spec
+from harness.core.specs import load_spec_file, n_params, resolve_spec
 
 HF = FIXTURES / "hf"
 
@@ -110,12 +110,12 @@ def test_import_refuses_to_overwrite(run_cli, tmp_path):
 
 
 def test_an_internal_error_is_one_line_not_a_traceback(run_cli, monkeypatch):
-    import harness.specs
+    import harness.core.specs
 
     def broken(directory=None):
         raise TypeError("simulated bug")
 
-    monkeypatch.setattr(harness.specs, "all_specs", broken)
+    monkeypatch.setattr(harness.core.specs, "all_specs", broken)
     monkeypatch.delenv("HARNESS_DEBUG", raising=False)
     r = run_cli("models")
     assert r.exit_code == 1 and "Traceback" not in r.stderr

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from conftest import ROOT
 
-from harness.build import cache_target, read_manifest, valid_cache_entry
-from harness.dtypes import DTYPES
-from harness.specs import load_spec_file
+from harness.core.dtypes import DTYPES
+from harness.core.specs import load_spec_file
+from harness.engine.build import cache_target, read_manifest, valid_cache_entry
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "long_tiny.yaml"
 # Big enough (~190 MiB) that a build takes a few tenths of a second to write.
@@ -129,8 +129,8 @@ def test_two_builds_at_once_make_one_file(tmp_path):
 def test_truncated_gguf_is_refused_before_the_run(tmp_path, run_cli):
     from conftest import assert_user_error
 
-    from harness.build import build
-    from harness.specs import resolve_spec
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
 
     built = build(resolve_spec("tiny-llama"), DTYPES["f32"])
     cut = tmp_path / "cut.gguf"
@@ -150,8 +150,8 @@ def test_a_model_llama_cpp_cannot_load_is_recorded_and_the_run_goes_on(tmp_path,
 
     from gguf import GGUFReader
 
-    from harness.build import build
-    from harness.specs import resolve_spec
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
 
     built = build(resolve_spec("tiny-llama"), DTYPES["f32"])
     bad = tmp_path / "bad.gguf"
@@ -183,9 +183,9 @@ def _tiny_scenario(tmp_path: Path, models: str = "[tiny-llama, tiny-qwen2]") -> 
 
 def test_a_decode_error_names_model_and_step_and_the_run_goes_on(tmp_path, run_cli,
                                                                   monkeypatch):
-    import harness.llama
+    import harness.engine.llama
 
-    real = harness.llama.L.llama_decode
+    real = harness.engine.llama.L.llama_decode
     seen = {"failed": 0}
 
     def failing(ctx, batch):
@@ -195,7 +195,7 @@ def test_a_decode_error_names_model_and_step_and_the_run_goes_on(tmp_path, run_c
             return -3
         return real(ctx, batch)
 
-    monkeypatch.setattr(harness.llama.L, "llama_decode", failing)
+    monkeypatch.setattr(harness.engine.llama.L, "llama_decode", failing)
     out = tmp_path / "run"
     r = run_cli("run", str(_tiny_scenario(tmp_path)), "--out", str(out))
     assert r.exit_code == 1, r.stderr
@@ -210,12 +210,12 @@ def test_a_decode_error_names_model_and_step_and_the_run_goes_on(tmp_path, run_c
 
 def test_short_disk_is_refused_before_the_run_directory_exists(tmp_path, run_cli,
                                                                 monkeypatch):
-    import harness.build
+    import harness.engine.build
 
     class Usage:
         free = 1000
 
-    monkeypatch.setattr(harness.build.shutil, "disk_usage", lambda path: Usage())
+    monkeypatch.setattr(harness.engine.build.shutil, "disk_usage", lambda path: Usage())
     out = tmp_path / "run"
     r = run_cli("run", str(_tiny_scenario(tmp_path)), "--out", str(out), "--cache-dir",
                 str(tmp_path / "empty-cache"))

@@ -5,9 +5,10 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.findings import findings
-from harness.reference import CLAIM_TESTS, check_claims
-from harness.report_levers import _batching_note, _knee_note
+from harness.core.reference import CLAIM_TESTS, check_claims
+from harness.levers.batching import _batching_note
+from harness.levers.threads import _knee_note
+from harness.report.findings import findings
 
 
 def _decode(model, n_bytes, tok_s, threads=2, copy=40.0, dtype="f32"):
@@ -82,7 +83,7 @@ def test_other_claims_decide_from_the_numbers():
     # 15 tok/s x 2 GB = 30 GB/s of 40: 75%; b 74%, c 77%
     assert got["share_of_plain_memory"]["verdict"] == "holds"
     assert got["share_of_plain_memory"]["measured"] == \
-        "decode reached 74%–76% of the numpy copy bandwidth"
+        "decode of a, b, c reached 74%–76% of the numpy copy bandwidth"
 
 
 def test_knee_note_with_two_thread_counts_says_what_it_cannot_show():
@@ -140,9 +141,9 @@ def _lesson_page():
     import os
     from pathlib import Path
 
-    from harness.lesson import lesson_data, render_lesson
-    from harness.reference import reference_from_header
-    from harness.reportio import analysis_of, load_run
+    from harness.core.reference import reference_from_header
+    from harness.report.files import analysis_of, load_run
+    from harness.report.lesson import lesson_data, render_lesson
 
     runs = Path(__file__).resolve().parent / "fixtures" / "runs"
     golden = Path(__file__).resolve().parent / "fixtures" / "golden" / "tiny_lesson.md"
@@ -191,7 +192,7 @@ def test_lever_findings_say_what_each_lever_did():
 
 
 def test_stability_finds_two_regimes_and_disturbed_rounds():
-    from harness.analysis import stability
+    from harness.analysis.machine import stability
 
     reads = [[30.0, 31.0]] * 6 + [[48.0, 50.0]] * 4
     m = {"samples": {"read_gb_s": reads}}

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from harness import runner
-from harness.costs import kv_n_bytes_per_token
-from harness.levers import _thread_group, composition
-from harness.report import render_markdown, report_data
-from harness.results import RunWriter, read_records
+from harness.core.costs import kv_n_bytes_per_token
+from harness.core.specs import ModelSpec
+from harness.engine.results import RunWriter, read_records
+from harness.engine.scenario import load_scenario
+from harness.levers.quant import composition
+from harness.levers.threads import _thread_group
+from harness.report.page import render_markdown, report_data
 from harness.runner import Console, run_scenario
-from harness.scenario import load_scenario
-from harness.specs import ModelSpec
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "levers.yaml"
 QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
@@ -172,3 +173,37 @@ def test_composition_reads_bits_per_weight_from_the_tensor_table():
     c = composition(model)
     assert c["bits_per_weight"] == pytest.approx(8 * (506 + 82) / 1000)
     assert c["params_share"] == {"Q4_K": 0.9, "Q6_K": 0.1}
+
+
+def test_every_lever_is_registered_once_with_its_table_and_plot():
+    from harness.levers import LEVERS, PLOT_AFTER, TABLE_NAMES
+
+    assert [lever.name for lever in LEVERS] == ["quant", "kv_depth", "batching", "threads",
+                                                "prefix"]
+    assert len(set(TABLE_NAMES)) == len(TABLE_NAMES)
+    assert set(PLOT_AFTER.values()) <= set(TABLE_NAMES)
+
+
+def test_lever_plot_titles_state_the_measured_finding(levers_run):
+    from harness.levers.batching import batching_finding
+    from harness.levers.kv_depth import kv_finding
+    from harness.levers.prefix import prefix_finding
+    from harness.levers.quant import quant_finding
+
+    _, records = levers_run
+    (a,) = records.analyses
+    deep = max(a["kv_depth"], key=lambda r: (r["depth"], r["measured_slowdown"]["median"]))
+    assert kv_finding(a["kv_depth"]).startswith(f"At {deep['depth']:,} cached tokens")
+    assert f"{deep['measured_slowdown']['median']:.2f}× slower" in kv_finding(a["kv_depth"])
+    top = max(a["batching"], key=lambda r: (r["parallel"], r["tok_s"]["median"]))
+    assert batching_finding(a["batching"]).startswith(
+        f"{top['parallel']} sequences together ({top['model']} {top['dtype']}): "
+        f"{top['speedup']:.2f}×")
+    best = max(r["seq_copy_saving"] for r in a["prefix"])
+    assert f"{max(best, max(r['state_restore_saving'] for r in a['prefix'])):.0%}" in \
+        prefix_finding(a["prefix"])
+    rows = [{"dtype": "q8_0", "baseline": "f32", "byte_reduction": 3.76, "decode_speedup": 3.1,
+             "prefill_speedup": 1.2}, {"dtype": "f16", "baseline": "f32",
+                                       "byte_reduction": 2.0, "decode_speedup": 1.9}]
+    assert quant_finding(rows) == ("q8_0 reads 3.8× fewer bytes than f32: decode 3.10× faster, "
+                                   "prefill 1.20× faster")

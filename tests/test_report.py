@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare import compare_runs, render_compare_markdown, welch_significant
-from harness.report import render_csv, render_json, render_markdown, report_data
-from harness.reportio import analysis_of, load_run, write_report
+from harness.report.compare import compare_runs, render_compare_markdown, welch_significant
+from harness.report.files import analysis_of, load_run, write_report
+from harness.report.page import render_csv, render_json, render_markdown, report_data
 
 RUNS = Path(__file__).resolve().parent / "fixtures" / "runs"
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "golden"
@@ -51,8 +51,8 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
     """Every decode row recomputed here from the fixture's raw samples and probe records."""
     import statistics
 
-    from harness.ceilings import ceiling_near, span
-    from harness.costs import mean_decode_context
+    from harness.analysis.ceilings import ceiling_near, span
+    from harness.core.costs import mean_decode_context
 
     _, records = load_run(RUNS / "tiny_v2")
     rows = {(r[0], r[1]): r for r in _table_rows(rendered("tiny_v2"),

@@ -6,15 +6,15 @@ import statistics
 
 import pytest
 
-from harness.levers import round_ratio
-from harness.rounds import (
+from harness.core.rounds import (
     Policy,
     group_by_memory,
     relative_ci,
     round_order,
     stop_reason,
 )
-from harness.stats import batch_half_width, median_ci, order_ci, summarize
+from harness.core.stats import batch_half_width, median_ci, order_ci, summarize
+from harness.levers.common import round_ratio
 
 IDS = [f"cell{i}" for i in range(6)]
 

@@ -6,11 +6,11 @@ import pytest
 from conftest import assert_user_error
 
 from harness import runner
-from harness.errors import HarnessError
-from harness.measure import Cell
-from harness.results import RunWriter, read_records
+from harness.core.errors import HarnessError
+from harness.engine.measure import Cell
+from harness.engine.results import RunWriter, read_records
+from harness.engine.scenario import load_scenario
 from harness.runner import Console, run_scenario
-from harness.scenario import load_scenario
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "tiny.yaml"
 QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
@@ -138,10 +138,10 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
 def test_kv_cache_is_cleared_between_repetitions(tmp_path, monkeypatch):
     """Every repetition starts from an empty cache: after each, it holds exactly the prompt
     and the generated tokens."""
-    from harness.build import build
-    from harness.dtypes import DTYPES
-    from harness.llama import Model
-    from harness.specs import resolve_spec
+    from harness.core.dtypes import DTYPES
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
+    from harness.engine.llama import Model
 
     fast_noise(monkeypatch)
     plan = load_scenario(SCENARIO, 1)

@@ -2,8 +2,8 @@ import textwrap
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.scenario import load_scenario
+from harness.core.errors import HarnessError
+from harness.engine.scenario import load_scenario
 
 BASE = """\
 name: t
@@ -132,9 +132,9 @@ def test_lever_keys_expand_and_default_ids_stay_the_same(tmp_path):
 
 
 def test_relative_gguf_paths_are_found_beside_the_scenario(tmp_path):
-    from harness.build import build
-    from harness.dtypes import DTYPES
-    from harness.specs import resolve_spec
+    from harness.core.dtypes import DTYPES
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
 
     built = build(resolve_spec("tiny-llama"), DTYPES["f32"], out=tmp_path / "sub" / "m.gguf")
     s = load_scenario(write(tmp_path / "sub", BASE.replace("[tiny-qwen2]", "[m.gguf]")), 2)

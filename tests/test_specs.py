@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.specs import all_specs, load_spec_file, n_params, resolve_spec, tensor_plan
+from harness.core.errors import HarnessError
+from harness.core.specs import all_specs, load_spec_file, n_params, resolve_spec, tensor_plan
 
 REAL_PARAMS = {
     "qwen2.5-0.5b": 494_032_768,

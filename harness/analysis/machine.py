@@ -1,0 +1,80 @@
+"""The machine during a run: its ceilings before, beside and after the measurements, how
+steady it was, and what the probes could not measure. Pure functions of the stored probes."""
+
+from __future__ import annotations
+
+from ..core.stats import center, summarize
+from .ceilings import probe_figure
+
+
+def ceilings_summary(probes: list[dict]) -> list[dict]:
+    """Each probed figure before and after the measurements, how far they moved, and the
+    range of the probes taken beside the measurements."""
+    full = [p for p in probes if p.get("result") and p.get("when") != "beside"]
+    before = next((p for p in full if p.get("when") == "before"), None)
+    after = next((p for p in reversed(full) if p.get("when") == "after"), None)
+    beside = [p for p in probes if p.get("result") and p.get("when") == "beside"]
+    rows = []
+    for threads, path in _figures(before, after):
+        b, a = (probe_figure(p, threads, path) for p in (before, after))
+        near = [f["value"] for p in beside if (f := probe_figure(p, threads, path))]
+        rows.append({"threads": threads, "what": path, "before": b and b["value"],
+                     "after": a and a["value"], "layout": (b or a or {}).get("layout"),
+                     "drift": (a["value"] - b["value"]) / b["value"] if a and b else None,
+                     "beside_min": min(near) if near else None,
+                     "beside_max": max(near) if near else None, "n_beside": len(near)})
+    return rows
+
+
+def _figures(*probes: dict | None) -> list[tuple[int, tuple[str, ...]]]:
+    """Every (thread count, figure path) the probes hold, in a stable order."""
+    out: dict = {}
+    for p in probes:
+        for t, node in ((p or {}).get("result") or {}).get("threads", {}).items():
+            for key in ("read_gb_s", "copy_gb_s", "matmul_gflop_s"):
+                if node.get(key):
+                    out[(int(t), (key,))] = None
+            for dtype, entry in (node.get("ggml") or {}).items():
+                for key in ("stream_gb_s", "compute_gflop_s"):
+                    if entry.get(key):
+                        out[(int(t), ("ggml", dtype, key))] = None
+    return sorted(out, key=lambda k: (k[0], len(k[1]), k[1]))
+
+
+REGIME_GAP = 0.15  # a gap of 15% between sorted page reads splits them into two regimes
+
+
+def stability(measurements: list[dict], rounds: list[dict], noisy_cores: float) -> dict:
+    """How steady the machine was: the page reads taken beside every decode repetition (their
+    spread, and two regimes when they fall into two clusters), and the rounds in which other
+    processes used the CPU."""
+    in_order = [v for m in measurements for pair in (m["samples"].get("read_gb_s") or [])
+                if pair for v in pair]
+    reads = sorted(in_order)
+    out = {"n_reads": len(reads), "n_rounds": len(rounds),
+           "disturbed_rounds": [r["round"] for r in rounds
+                                if (r.get("idle_other_cores") or 0) > noisy_cores]}
+    if len(reads) < 2:
+        return out
+    out |= {"read_min": reads[0], "read_max": reads[-1], "read": summarize(in_order)}
+    gaps = [(reads[i + 1] / reads[i] - 1, i) for i in range(len(reads) - 1) if reads[i] > 0]
+    gap, i = max(gaps, default=(0.0, 0))
+    tenth = max(len(reads) // 10, 1)
+    if gap > REGIME_GAP and tenth <= i + 1 <= len(reads) - tenth:
+        slow, fast = reads[:i + 1], reads[i + 1:]
+        out["regimes"] = [{"median_gb_s": center(summarize(x)), "share": len(x) / len(reads)}
+                          for x in (slow, fast)]
+    return out
+
+
+def probe_errors(probes: list[dict]) -> list[str]:
+    """Every probe failure and every weight type a probe could not measure, once each."""
+    out = [p["error"] for p in probes if p.get("error")]
+    for p in probes:
+        for t, node in ((p.get("result") or {}).get("threads") or {}).items():
+            for dtype, entry in (node.get("ggml") or {}).items():
+                if entry.get("error"):
+                    out.append(f"{dtype} at {t} threads: {entry['error']}")
+    return list(dict.fromkeys(out))
+
+

@@ -1,0 +1,228 @@
+"""Model architecture specs in Hugging Face config.json terms, and their tensor plans."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import HarnessError
+from .yamlio import (
+    Doc,
+    check_keys,
+    did_you_mean,
+    load_yaml_file,
+    want_bool,
+    want_float,
+    want_int,
+    want_mapping,
+    want_str,
+)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What llama.cpp's loader expects of one architecture."""
+
+    name: str
+    qkv_bias: str  # "required", "optional" or "absent"
+
+
+ARCHS: dict[str, Arch] = {
+    "qwen2": Arch("qwen2", qkv_bias="required"),
+    "llama": Arch("llama", qkv_bias="optional"),
+}
+
+# Upper bound for dimensions: far above any real dense model, low enough to stop typos like 1e12.
+MAX_DIM = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One decoder-only transformer, in config.json terms plus its llama.cpp architecture."""
+
+    name: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    attention_bias: bool
+    head_dim: int
+    source: str | None = None
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def content_hash(self) -> str:
+        """SHA-256 of the spec's canonical JSON: the cache key's spec part."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of the GGUF file: its llama.cpp name and numpy shape (ggml ne reversed)."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str  # embedding, output, attention, ffn, norm, bias
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
+    """Every tensor llama.cpp's llama/qwen2 loader reads, in file order."""
+    e, f, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    plan = [TensorPlan("token_embd.weight", (v, e), "embedding")]
+    for i in range(spec.num_hidden_layers):
+        b = f"blk.{i}."
+        plan += [
+            TensorPlan(b + "attn_norm.weight", (e,), "norm"),
+            TensorPlan(b + "attn_q.weight", (spec.q_dim, e), "attention"),
+            TensorPlan(b + "attn_k.weight", (spec.kv_dim, e), "attention"),
+            TensorPlan(b + "attn_v.weight", (spec.kv_dim, e), "attention"),
+            TensorPlan(b + "attn_output.weight", (e, spec.q_dim), "attention"),
+        ]
+        if spec.attention_bias:
+            plan += [
+                TensorPlan(b + "attn_q.bias", (spec.q_dim,), "bias"),
+                TensorPlan(b + "attn_k.bias", (spec.kv_dim,), "bias"),
+                TensorPlan(b + "attn_v.bias", (spec.kv_dim,), "bias"),
+            ]
+        plan += [
+            TensorPlan(b + "ffn_norm.weight", (e,), "norm"),
+            TensorPlan(b + "ffn_gate.weight", (f, e), "ffn"),
+            TensorPlan(b + "ffn_up.weight", (f, e), "ffn"),
+            TensorPlan(b + "ffn_down.weight", (e, f), "ffn"),
+        ]
+    plan.append(TensorPlan("output_norm.weight", (e,), "norm"))
+    if not spec.tie_word_embeddings:
+        plan.append(TensorPlan("output.weight", (v, e), "output"))
+    return plan
+
+
+def n_params(spec: ModelSpec) -> int:
+    """Parameter count as Hugging Face reports it: every tensor once (a tied one once)."""
+    return sum(t.n_elements for t in tensor_plan(spec))
+
+
+# --- loading -------------------------------------------------------------------------------
+
+_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
+_KNOWN_KEYS = [f.name for f in fields(ModelSpec)]
+_REQUIRED = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "vocab_size")
+# The synthetic tokenizer needs 3 special tokens and 256 byte tokens.
+MIN_VOCAB = 259 + 1
+
+
+def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
+    """Validate a parsed spec document and build the ModelSpec."""
+    data = want_mapping(doc, (), doc.data)
+    check_keys(doc, (), data, _KNOWN_KEYS, _REQUIRED)
+    arch = data["architecture"]
+    if not isinstance(arch, str) or arch not in ARCHS:
+        raise doc.error(("architecture",), f"unsupported architecture {arch!r}",
+                        fix="supported: " + ", ".join(ARCHS))
+    ints = {k: want_int(doc, (k,), data[k], minimum=1, maximum=MAX_DIM)
+            for k in _INT_FIELDS if k in data}
+    ints["vocab_size"] = want_int(doc, ("vocab_size",), data["vocab_size"], minimum=MIN_VOCAB,
+                                  maximum=MAX_DIM)
+    ints["max_position_embeddings"] = want_int(
+        doc, ("max_position_embeddings",), data.get("max_position_embeddings", 4096),
+        minimum=16, maximum=1 << 24)
+    heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
+    kv_heads = ints.setdefault("num_key_value_heads", heads)
+    if "head_dim" not in ints:
+        if hidden % heads:
+            raise doc.error(("num_attention_heads",),
+                            f"{heads} heads do not divide hidden_size {hidden}",
+                            fix="choose a divisor of hidden_size or set head_dim")
+        ints["head_dim"] = hidden // heads
+    if heads % kv_heads:
+        raise doc.error(("num_key_value_heads",),
+                        f"{kv_heads} KV heads do not divide {heads} attention heads",
+                        fix="use a divisor of num_attention_heads")
+    bias = want_bool(doc, ("attention_bias",),
+                     data.get("attention_bias", ARCHS[arch].qkv_bias == "required"))
+    if ARCHS[arch].qkv_bias == "required" and not bias:
+        raise doc.error(("attention_bias",), f"architecture {arch} needs q/k/v biases",
+                        fix="set attention_bias: true or use architecture: llama")
+    name = want_str(doc, ("name",), data.get("name", default_name))
+    source = data.get("source")
+    return ModelSpec(
+        name=name, architecture=arch, attention_bias=bias,
+        tie_word_embeddings=want_bool(doc, ("tie_word_embeddings",),
+                                      data.get("tie_word_embeddings", False)),
+        rope_theta=want_float(doc, ("rope_theta",), data.get("rope_theta", 10000.0),
+                              minimum=0.0, exclusive_min=True),
+        rms_norm_eps=want_float(doc, ("rms_norm_eps",), data.get("rms_norm_eps", 1e-6),
+                                minimum=0.0, maximum=1.0, exclusive_min=True),
+        source=None if source is None else want_str(doc, ("source",), source),
+        **ints,
+    )
+
+
+def load_spec_file(path: Path | str) -> ModelSpec:
+    """Load and validate one spec YAML."""
+    path = Path(path)
+    return spec_from_doc(load_yaml_file(path, "model spec"), path.stem)
+
+
+def models_dir() -> Path:
+    """The directory of bundled specs ($HARNESS_MODELS_DIR overrides)."""
+    env = os.environ.get("HARNESS_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+
+
+def all_specs(directory: Path | None = None) -> dict[str, ModelSpec]:
+    """Every spec in the models directory, by name; duplicate names are an error."""
+    directory = directory or models_dir()
+    specs: dict[str, ModelSpec] = {}
+    origin: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.yaml")):
+        spec = load_spec_file(path)
+        if spec.name in specs:
+            raise HarnessError(f"duplicate model name {spec.name!r} (also in {origin[spec.name]})",
+                               source=str(path), key="name", fix="give each spec its own name")
+        specs[spec.name], origin[spec.name] = spec, path
+    return specs
+
+
+def looks_like_path(ref: str) -> bool:
+    return ref.endswith((".yaml", ".yml", ".gguf")) or os.sep in ref or "/" in ref
+
+
+def resolve_spec(ref: str) -> ModelSpec:
+    """A spec by name (from the models directory) or by file path."""
+    if looks_like_path(ref):
+        return load_spec_file(ref)
+    specs = all_specs()
+    if ref in specs:
+        return specs[ref]
+    hint = did_you_mean(ref, list(specs))
+    known = "known models: " + ", ".join(specs)
+    raise HarnessError(f"unknown model {ref!r}", fix=f"{hint} {known}" if hint else known)

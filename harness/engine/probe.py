@@ -1,0 +1,233 @@
+"""Measure the machine's ceilings: plain memory bandwidth (numpy read and copy) and, per weight
+type, the streaming bandwidth and compute peak of ggml's own matrix kernels.
+
+Plain memory follows STREAM conventions (McCalpin, https://www.cs.virginia.edu/stream/ref.html):
+arrays at least 4x the last-level cache, one untimed warm pass, the best of several timed
+passes, and copy counted as bytes read plus bytes written (write-allocate traffic not counted).
+The ggml figures come from the kernels decode and prefill run (harness.engine.llama.KernelProbe):
+a matrix-vector product over weights far larger than the cache, and the same kind of weights
+times a 512-column activation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..core.errors import MeasurementError
+from .env import available_ram_bytes, last_level_cache_bytes
+
+DEFAULT_ARRAY_N_BYTES = 1 << 30
+DEFAULT_STREAM_N_BYTES = 256 << 20  # 8x this machine's 32 MiB L3; at least 4x the LLC anywhere
+MIN_PASSES = 5
+FULL = {"read": 7, "stream": 7, "compute": 5}
+# Beside a measurement: a few hundred ms, only what the next cell needs.
+BESIDE = {"read": 3, "stream": 3, "compute": 2}
+
+
+def _env_mib() -> int | None:
+    env = os.environ.get("HARNESS_PROBE_MIB", "")
+    return int(env) << 20 if env.isdigit() and int(env) > 0 else None
+
+
+def plan_array_n_bytes(requested: int | None = None) -> tuple[int, list[str]]:
+    """Array size: at least 4x the LLC (1 GiB by default), shrunk to fit free RAM."""
+    notes = []
+    llc = last_level_cache_bytes()
+    want = requested or _env_mib() or max(DEFAULT_ARRAY_N_BYTES, 4 * (llc or 0))
+    available = available_ram_bytes()
+    # copy needs a source and a destination; leave half of what is free to everything else
+    if available is not None and 2 * want > available // 2:
+        shrunk = max((available // 4) // (1 << 20) << 20, 1 << 20)
+        notes.append(f"arrays shrunk from {want / 2**20:.0f} MiB to {shrunk / 2**20:.0f} MiB: "
+                     f"only {available / 2**30:.1f} GiB of RAM is available")
+        want = shrunk
+    if llc and want < 4 * llc:
+        notes.append(f"arrays of {want / 2**20:.0f} MiB are under 4x the {llc / 2**20:.0f} MiB "
+                     "last-level cache: bandwidth may include cache hits")
+    return want, notes
+
+
+def plan_stream_n_bytes(n_types: int) -> tuple[int, list[str]]:
+    """Bytes of each type's streaming matrix: 256 MiB (or HARNESS_PROBE_MIB, or 4x the LLC),
+    shrunk so every type's matrix fits in a quarter of free RAM."""
+    llc = last_level_cache_bytes() or 0
+    want = _env_mib() or max(DEFAULT_STREAM_N_BYTES, 4 * llc)
+    notes = []
+    available = available_ram_bytes()
+    if available is not None and want * max(n_types, 1) > available // 4:
+        shrunk = max(available // 4 // max(n_types, 1) >> 20 << 20, 1 << 20)
+        notes.append(f"ggml probe matrices shrunk from {want >> 20} MiB to {shrunk >> 20} MiB: "
+                     f"only {available / 2**30:.1f} GiB of RAM is available")
+        want = shrunk
+    if llc and want < 4 * llc:
+        notes.append(f"ggml probe matrices of {want >> 20} MiB are under 4x the "
+                     f"{llc >> 20} MiB last-level cache: bandwidth may include cache hits")
+    return want, notes
+
+
+def _parallel(n_threads: int, work) -> float:
+    """Seconds for n_threads threads to each run work(i) (numpy releases the GIL in them)."""
+    barrier = threading.Barrier(n_threads + 1)
+    threads = [threading.Thread(target=lambda i=i: (barrier.wait(), work(i)))
+               for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def _bandwidth(n_threads: int, src: np.ndarray, dst: np.ndarray | None, passes: int) -> dict:
+    edges = [src.size * i // n_threads for i in range(n_threads + 1)]
+    bounds = list(zip(edges[:-1], edges[1:], strict=True))
+
+    def read(i: int) -> None:
+        lo, hi = bounds[i]
+        src[lo:hi].max()
+
+    def copy(i: int) -> None:
+        lo, hi = bounds[i]
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    out = {}
+    kernels = (("read", read, 1), ("copy", copy, 2)) if dst is not None else (("read", read, 1),)
+    for name, work, factor in kernels:
+        _parallel(n_threads, work)  # warm pass
+        seconds = [_parallel(n_threads, work) for _ in range(passes)]
+        samples = [factor * src.nbytes / s / 1e9 for s in seconds]
+        out[f"{name}_gb_s"] = max(samples)
+        out[f"{name}_samples_gb_s"] = samples
+    return out
+
+
+def _kernels(kp, n_threads: int, dtypes: list[str], passes: dict, phases: tuple[str, ...]
+             ) -> dict:
+    """Each weight type's ggml streaming GB/s and compute GFLOP/s; a type ggml cannot probe
+    is recorded with the reason, never guessed."""
+    out = {}
+    for dtype in dtypes:
+        entry: dict = {}
+        try:
+            if "stream" in phases:
+                s = kp.stream(dtype, n_threads, passes["stream"])
+                entry |= {"stream_gb_s": max(s["samples_gb_s"]),
+                          "stream_samples_gb_s": s["samples_gb_s"], "layout": s["layout"],
+                          "stream_n_bytes": s["n_bytes"]}
+            if "compute" in phases:
+                c = kp.compute(dtype, n_threads, passes["compute"])
+                entry |= {"compute_gflop_s": max(c["samples_gflop_s"]),
+                          "compute_samples_gflop_s": c["samples_gflop_s"],
+                          "layout": c["layout"]}
+        except (MeasurementError, MemoryError) as exc:
+            entry["error"] = str(exc)
+        out[dtype] = entry
+    return out
+
+
+class PageReader:
+    """A read of the pages a decode step reads: the model file's own tensor data as llama.cpp
+    maps it (the same page-cache pages), or an anonymous buffer of the same size when llama.cpp
+    copies most of the weights into its own repacked buffers at load."""
+
+    CAP_N_BYTES = 1 << 30  # a few hundred ms at most, even at 5 GB/s
+
+    def __init__(self, path=None, offset: int = 0, n_bytes: int = 0) -> None:
+        n = min(n_bytes, self.CAP_N_BYTES) // 4
+        if path is not None:
+            self.array = np.memmap(path, dtype=np.int32, mode="r", offset=offset, shape=(n,))
+            self.source = "the model's mapped weight pages"
+        else:
+            self.array = np.ones(n, dtype=np.int32)  # written: no zero page
+            self.source = "an anonymous buffer (llama.cpp repacks these weights at load)"
+        self.read(1)  # map every page once, untimed
+
+    def read(self, n_threads: int) -> float:
+        """GB/s of one pass over the pages with n_threads threads."""
+        a = self.array
+        edges = [a.size * i // n_threads for i in range(n_threads + 1)]
+        seconds = _parallel(n_threads, lambda i: a[edges[i]:edges[i + 1]].max())
+        return a.nbytes / seconds / 1e9
+
+
+class Prober:
+    """The ceilings of one run: the full set at its ends, a short probe beside every
+    measurement. Holds the probe matrices so a probe beside a measurement costs no set-up."""
+
+    def __init__(self, dtypes: list[str], array_n_bytes: int | None = None) -> None:
+        from .llama import KernelProbe
+
+        self.dtypes = sorted(set(dtypes))
+        self.array_n_bytes, self.notes = plan_array_n_bytes(array_n_bytes)
+        stream_n_bytes, notes = plan_stream_n_bytes(len(self.dtypes))
+        self.notes += notes
+        self.kernels = KernelProbe(stream_n_bytes)
+        self._read_array: np.ndarray | None = None
+
+    def full(self, thread_counts: list[int], passes: dict | None = None) -> dict:
+        """Every weight type at every thread count, and numpy read and copy."""
+        passes = {k: max(v, MIN_PASSES) for k, v in (passes or FULL).items()}
+        start = time.perf_counter()
+        src = np.ones(self.array_n_bytes // 4, dtype=np.float32)  # written: no zero page
+        dst = np.zeros_like(src)
+        dst.fill(1.0)
+        results = {}
+        for n in sorted(set(thread_counts)):
+            results[str(n)] = _bandwidth(n, src, dst, passes["read"]) | {
+                "ggml": _kernels(self.kernels, n, self.dtypes, passes, ("stream", "compute"))}
+        del src, dst
+        return {"array_n_bytes": self.array_n_bytes, "passes": passes, "notes": self.notes,
+                "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": self.dtypes,
+                "threads": results, "seconds": time.perf_counter() - start}
+
+    def beside(self, n_threads: int, dtypes: list[str], phases: tuple[str, ...]) -> dict:
+        """What the next measurement needs: a short numpy read and its types' kernels."""
+        start = time.perf_counter()
+        if self._read_array is None:
+            self._read_array = np.ones(self.kernels.stream_n_bytes // 4, dtype=np.float32)
+        result = _bandwidth(n_threads, self._read_array, None, BESIDE["read"]) | {
+            "ggml": _kernels(self.kernels, n_threads, sorted(set(dtypes)), BESIDE, phases)}
+        return {"array_n_bytes": self._read_array.nbytes, "passes": BESIDE,
+                "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": sorted(set(dtypes)),
+                "threads": {str(n_threads): result}, "seconds": time.perf_counter() - start}
+
+    def layout(self, dtype: str) -> str | None:
+        """Where llama.cpp keeps weights of this type at load (CPU_REPACK or CPU)."""
+        try:
+            return self.kernels.layout(dtype)
+        except (MeasurementError, MemoryError):
+            return None
+
+    def close(self) -> None:
+        self.kernels.close()
+        self._read_array = None
+
+    def __enter__(self) -> Prober:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def probe_dtypes() -> list[str]:
+    """The weight types a probe can be asked for: ggml's types that quantize without an
+    importance matrix (harness.engine.llama.KernelProbe.unsupported says which, on this build)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from .llama import NO_PROBE_TYPES
+
+    return [t.name.lower() for t in GGML_QUANT_SIZES if t.name not in NO_PROBE_TYPES
+            and not t.name.startswith(("IQ1", "IQ2", "IQ3", "TQ"))]
+
+
+def probe(thread_counts: list[int], dtypes: list[str] | None = None,
+          array_n_bytes: int | None = None, passes: int = 7) -> dict:
+    """The full set of ceilings at each thread count; raw samples kept, best-of reported."""
+    n = max(passes, MIN_PASSES)
+    with Prober(dtypes or ["f32"], array_n_bytes) as prober:
+        return prober.full(thread_counts, {"read": n, "stream": n, "compute": n})

@@ -1,0 +1,422 @@
+"""Scenario files: validated once at load, expanded into the list of measurements to make."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
+from ..core.errors import HarnessError
+from ..core.reference import load_reference
+from ..core.specs import looks_like_path, resolve_spec
+from ..core.yamlio import (
+    Doc,
+    check_keys,
+    format_path,
+    parse_yaml,
+    read_text,
+    want_float,
+    want_int,
+    want_mapping,
+    want_str,
+)
+
+MAX_TOKENS = 1 << 20
+MAX_REPETITIONS = 1000
+MAX_THREADS = 1024
+MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
+_TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
+             "target_ci", "min_repetitions", "max_repetitions", "max_seconds",
+             "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "reference", "tests"]
+_OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
+              "warmup", "n_batch", "n_ubatch", "flash_attn"]
+MAX_SECONDS = 7 * 24 * 3600
+_LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
+_TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model named by a scenario: a spec (built on demand) or a GGUF file."""
+
+    ref: str
+    spec_name: str | None  # None for a .gguf path
+    gguf_path: Path | None
+    dtype: str  # the dtype to build; "file" for a .gguf path
+    max_context: int  # the model's trained context length
+    head_dim: int = 0  # per-head K/V size, which a quantized KV cache's blocks must divide
+
+    @property
+    def label(self) -> str:
+        return self.spec_name or self.gguf_path.stem
+
+    @property
+    def key(self) -> str:
+        """label|dtype: how results name one model file."""
+        return f"{self.label}|{self.dtype}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs a test may override."""
+
+    threads: int
+    repetitions: int | None  # None: auto (until target_ci, min/max_repetitions, the budget)
+    warmup: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool | None  # None = llama.cpp's auto
+    target_ci: float = 0.03
+    min_repetitions: int = 6
+    max_repetitions: int = 200
+
+    @property
+    def policy(self):
+        from ..core.rounds import Policy
+
+        return Policy(self.repetitions, self.target_ci, self.min_repetitions,
+                      self.max_repetitions)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One cell of the cross product: what to run, on what, how often."""
+
+    model: ModelRef
+    n_prompt: int
+    n_gen: int
+    settings: Settings
+    test_name: str
+    depth: int = 0  # tokens already in the KV cache, filled untimed before the timed work
+    kv_type: str = "f16"  # the KV cache's type (K and V alike)
+    parallel: int = 1  # independent sequences decoded together, one seq id each
+    shared_prefix: int = 0  # tokens of a cached prefix before the prompt (time to first token)
+
+    @property
+    def id(self) -> str:
+        s = self.settings
+        fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
+        base = (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
+                f"ub{s.n_ubatch}|fa-{fa}|pp{self.n_prompt}|tg{self.n_gen}")
+        # Levers at their defaults add nothing, so the ids of older runs stay valid.
+        extra = [f"d{self.depth}" if self.depth else "",
+                 f"kv-{self.kv_type}" if self.kv_type != "f16" else "",
+                 f"np{self.parallel}" if self.parallel != 1 else "",
+                 f"px{self.shared_prefix}" if self.shared_prefix else ""]
+        return "|".join([base, *(e for e in extra if e)])
+
+    @property
+    def n_seq_ctx(self) -> int:
+        """Positions one sequence uses: cached prefix or depth, prompt, generation."""
+        return self.shared_prefix + self.depth + self.n_prompt + self.n_gen
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cache cells the context needs, over all its sequences (a depth test keeps a
+        second, depth-0 sequence beside it for its paired baseline)."""
+        return (2 if self.depth else self.parallel) * self.n_seq_ctx
+
+    @property
+    def kind(self) -> str:
+        if self.shared_prefix:
+            return "prefix_cache"
+        return "batched" if self.parallel > 1 else "single"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A validated scenario: its verbatim text and the measurements it expands to."""
+
+    path: Path
+    text: str
+    name: str
+    title: str
+    description: str
+    seed: int
+    measurements: tuple[Measurement, ...]
+    max_seconds: float | None = None  # the time budget of a run's rounds
+    reference: dict | None = None  # published figures and claims (harness.reference)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
+    """Parse, validate and expand a scenario file; every error names file, line and key."""
+    path = Path(path)
+    text = read_text(path, "scenario")
+    doc = parse_yaml(text, str(path))
+    data = want_mapping(doc, (), doc.data)
+    check_keys(doc, (), data, _TOP_KEYS, ("name", "models", "tests"))
+    name = want_str(doc, ("name",), data["name"])
+    models = _models(doc, data)
+    base = _settings(doc, (), data, None, physical_cores)
+    tests = _list(doc, ("tests",), data["tests"])
+    measurements = []
+    for i, test in enumerate(tests):
+        own = isinstance(test, dict) and ("models" in test or "dtypes" in test)
+        test_models = (_models(doc, {"models": data["models"]} | test, ("tests", i),
+                               data.get("dtypes")) if own else models)
+        measurements += _expand_test(doc, ("tests", i), test, test_models, base,
+                                     physical_cores)
+    _check_unique(doc, measurements)
+    return Scenario(
+        path=path, text=text, name=name,
+        title=want_str(doc, ("title",), data.get("title", name)),
+        description=str(data.get("description") or ""),
+        seed=want_int(doc, ("seed",), data.get("seed", 0), minimum=0, maximum=2**63 - 1),
+        measurements=tuple(measurements),
+        max_seconds=(want_float(doc, ("max_seconds",), data["max_seconds"], minimum=1,
+                                maximum=MAX_SECONDS) if "max_seconds" in data else None),
+        reference=(load_reference(doc, data["reference"]) if "reference" in data else None),
+    )
+
+
+def _list(doc: Doc, path: tuple, value: object, *, allow_scalar: bool = False) -> list:
+    if allow_scalar and not isinstance(value, (list, dict)):
+        value = [value]
+    if not isinstance(value, list):
+        raise doc.error(path, f"expected a list, got {type(value).__name__}",
+                        fix="write [a, b] or one `- item` line per entry")
+    if not value:
+        raise doc.error(path, "empty list", fix="give at least one entry")
+    return value
+
+
+def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = None
+            ) -> list[ModelRef]:
+    """The models × dtypes of the scenario (path ()) or of one test that names its own."""
+    refs = _list(doc, path + ("models",), data["models"], allow_scalar=True)
+    dtypes = _list(doc, path + ("dtypes",), data.get("dtypes", default_dtypes or ["f32"]),
+                   allow_scalar=True)
+    kinds = [get_dtype(d, source=doc.source, key=format_path(path + ("dtypes", i))).name
+             for i, d in enumerate(dtypes)]
+    if len(set(kinds)) != len(kinds):
+        raise doc.error(path + ("dtypes",), "a dtype is listed twice", fix="list each once")
+    out: list[ModelRef] = []
+    for i, ref in enumerate(refs):
+        ref = _beside(want_str(doc, path + ("models", i), ref), Path(doc.source).parent)
+        try:
+            out += _resolve_model(ref, kinds)
+        except HarnessError as exc:
+            raise doc.error(path + ("models", i), exc.render()) from None
+    labels = [(m.label, m.dtype) for m in out]
+    if len(set(labels)) != len(labels):
+        raise doc.error(path + ("models",), "a model is listed twice", fix="list each once")
+    return out
+
+
+def _beside(ref: str, scenario_dir: Path) -> str:
+    """A relative file path names a file beside the scenario when one is there, else as given
+    (from the working directory); spec names stay names."""
+    if not looks_like_path(ref) or Path(ref).is_absolute():
+        return ref
+    candidate = scenario_dir / ref
+    return str(candidate) if candidate.exists() else ref
+
+
+def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
+    if ref.endswith(".gguf"):
+        from ..weights.gguf_inspect import spec_from_gguf
+        from .build import check_gguf_file
+
+        path = Path(ref)
+        check_gguf_file(path)
+        spec = spec_from_gguf(path)  # refuses unsupported architectures now, not mid-run
+        return [ModelRef(ref, None, path, "file", spec.max_position_embeddings, spec.head_dim)]
+    spec = resolve_spec(ref)
+    return [ModelRef(ref, spec.name, None, d, spec.max_position_embeddings, spec.head_dim)
+            for d in dtypes]
+
+
+def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[int]:
+    out = []
+    for i, item in enumerate(_list(doc, path, value, allow_scalar=True)):
+        if item == "auto":
+            out.append(physical_cores)
+        elif isinstance(item, str) and ".." in item:
+            out += _thread_range(doc, path + (i,), item, physical_cores)
+        else:
+            out.append(want_int(doc, path + (i,), item, minimum=1, maximum=MAX_THREADS))
+    return out
+
+
+def _thread_range(doc: Doc, path: tuple, text: str, physical_cores: int) -> list[int]:
+    """"1..auto" or "1..8": every thread count from the first to the last."""
+    ends = []
+    for part in text.split("..", 1):
+        part = part.strip()
+        if part == "auto":
+            ends.append(physical_cores)
+        elif part.isdigit() and 1 <= int(part) <= MAX_THREADS:
+            ends.append(int(part))
+        else:
+            raise doc.error(path, f"bad thread range {text!r}",
+                            fix=f'write "FIRST..LAST" with whole numbers from 1 to {MAX_THREADS} '
+                                'or auto, e.g. "1..auto"')
+    if ends[0] > ends[1]:
+        raise doc.error(path, f"thread range {text!r} runs backwards",
+                        fix="put the smaller count first")
+    return list(range(ends[0], ends[1] + 1))
+
+
+def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
+              physical_cores: int) -> list[Settings]:
+    """Scenario-level defaults (base None) or a test's overrides of them, one per thread count."""
+    def get_int(key: str, default: int, minimum: int, maximum: int) -> int:
+        if key not in data:
+            return default
+        return want_int(doc, path + (key,), data[key], minimum=minimum, maximum=maximum)
+
+    b = base or Settings(physical_cores, 5, 1, 2048, 512, None)
+    b = replace(b, **_policy(doc, path, data, b))
+    fa = b.flash_attn
+    if "flash_attn" in data:
+        fa = data["flash_attn"]
+        if fa == "auto":
+            fa = None
+        elif not isinstance(fa, bool):
+            raise doc.error(path + ("flash_attn",), f"expected true, false or auto, got {fa!r}",
+                            fix="write true, false or auto")
+    s = replace(b, warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
+                n_batch=get_int("n_batch", b.n_batch, 1, MAX_TOKENS),
+                n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa)
+    if s.n_ubatch > s.n_batch:
+        raise doc.error(path + ("n_ubatch",), f"n_ubatch {s.n_ubatch} exceeds n_batch {s.n_batch}",
+                        fix="n_ubatch must be at most n_batch")
+    threads = (_threads(doc, path + ("threads",), data["threads"], physical_cores)
+               if "threads" in data else None)
+    if base is None:
+        return [replace(s, threads=t) for t in (threads or [physical_cores])]
+    return [replace(s, threads=t) for t in (threads or [b.threads])]
+
+
+def _policy(doc: Doc, path: tuple, data: dict, b: Settings) -> dict:
+    """repetitions (a count or auto), target_ci, min_repetitions and max_repetitions."""
+    out = {}
+    if "repetitions" in data:
+        value = data["repetitions"]
+        if isinstance(value, str) and value != "auto":
+            raise doc.error(path + ("repetitions",), f"expected a whole number or auto, got "
+                            f"{value!r}", fix="write a count such as 5, or auto (until the "
+                            "confidence interval reaches target_ci)")
+        out["repetitions"] = None if value == "auto" else want_int(
+            doc, path + ("repetitions",), value, minimum=1, maximum=MAX_REPETITIONS)
+    if "target_ci" in data:
+        out["target_ci"] = want_float(doc, path + ("target_ci",), data["target_ci"],
+                                      minimum=0.001, maximum=1.0)
+    for key in ("min_repetitions", "max_repetitions"):
+        if key in data:
+            out[key] = want_int(doc, path + (key,), data[key], minimum=1,
+                                maximum=MAX_REPETITIONS)
+    low = out.get("min_repetitions", b.min_repetitions)
+    high = out.get("max_repetitions", b.max_repetitions)
+    if low > high:
+        key = "min_repetitions" if "min_repetitions" in out else "max_repetitions"
+        raise doc.error(path + (key,), f"min_repetitions {low} exceeds max_repetitions {high}",
+                        fix="make min_repetitions at most max_repetitions")
+    return out
+
+
+def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],
+                 bases: list[Settings], physical_cores: int) -> list[Measurement]:
+    test = want_mapping(doc, path, test)
+    check_keys(doc, path, test, _TEST_KEYS, ("prompt",))
+    prompts = _token_counts(doc, path + ("prompt",), test["prompt"])
+    gens = _token_counts(doc, path + ("generate",), test.get("generate", 0))
+    levers = _levers(doc, path, test)
+    label = want_str(doc, path + ("name",), test.get("name", f"test {path[-1] + 1}"))
+    # A test's own threads replace the scenario's list, so keep each setting once.
+    settings_list = list(dict.fromkeys(
+        s for base in bases for s in _settings(doc, path, test, base, physical_cores)))
+    out = []
+    for settings in settings_list:
+        for model, n_prompt, n_gen, lever in itertools.product(models, prompts, gens, levers):
+            if n_prompt + n_gen == 0:
+                raise doc.error(path + ("prompt",), "prompt and generate are both 0",
+                                fix="measure at least one token")
+            m = Measurement(model, n_prompt, n_gen, settings, label, **lever)
+            _check_lever(doc, path, m)
+            _check_context(doc, path, m)
+            out.append(m)
+    return out
+
+
+def _levers(doc: Doc, path: tuple, test: dict) -> list[dict]:
+    """The cross product of a test's depth, KV cache type, parallel and shared_prefix lists."""
+    depths = _token_counts(doc, path + ("depth",), test.get("depth", 0))
+    kv_types = []
+    for i, v in enumerate(_list(doc, path + ("kv_cache_type",), test.get("kv_cache_type", "f16"),
+                                allow_scalar=True)):
+        key = path + ("kv_cache_type",) + ((i,) if isinstance(test.get("kv_cache_type"),
+                                                                 list) else ())
+        if not isinstance(v, str) or v.lower() not in KV_CACHE_TYPES:
+            raise doc.error(key, f"unknown KV cache type {v!r}",
+                            fix="valid KV cache types: " + ", ".join(KV_CACHE_TYPES))
+        kv_types.append(v.lower())
+    parallels = _counts(doc, path + ("parallel",), test.get("parallel", 1), 1, MAX_PARALLEL)
+    prefixes = _token_counts(doc, path + ("shared_prefix",), test.get("shared_prefix", 0))
+    return [{"depth": d, "kv_type": k, "parallel": p, "shared_prefix": x}
+            for d, k, p, x in itertools.product(depths, kv_types, parallels, prefixes)]
+
+
+def _check_lever(doc: Doc, path: tuple, m: Measurement) -> None:
+    """Combinations the runner cannot measure honestly are refused at load."""
+    s = m.settings
+    if m.kv_type in KV_NEEDS_FLASH_ATTN and s.flash_attn is False:
+        raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache needs flash "
+                        "attention (llama.cpp dequantizes V inside it)",
+                        fix="set flash_attn: true (or auto), or use kv_cache_type: f16")
+    block = kv_block_size(m.kv_type)
+    if m.model.head_dim % block:
+        raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache stores blocks of "
+                        f"{block}, which do not divide {m.model.label}'s head size "
+                        f"{m.model.head_dim}", fix="use kv_cache_type: f16 for this model")
+    if m.parallel > 1 and (m.depth or m.shared_prefix):
+        raise doc.error(path + ("parallel",), "parallel sequences cannot be combined with "
+                        "depth or shared_prefix in one test", fix="measure them in separate tests")
+    if m.parallel > s.n_batch:
+        raise doc.error(path + ("parallel",), f"{m.parallel} sequences do not fit one batch of "
+                        f"n_batch {s.n_batch}", fix=f"set n_batch to at least {m.parallel}")
+    if m.shared_prefix and m.n_gen:
+        raise doc.error(path + ("generate",), "a shared_prefix test times the first token only",
+                        fix="set generate: 0 in this test")
+    if m.shared_prefix and not m.n_prompt:
+        raise doc.error(path + ("prompt",), "a shared_prefix test needs a prompt (the question "
+                        "after the prefix)", fix="set prompt to at least 1")
+    if m.shared_prefix and m.depth:
+        raise doc.error(path + ("depth",), "depth and shared_prefix both fill the cache before "
+                        "the prompt", fix="use one of them")
+
+
+def _token_counts(doc: Doc, path: tuple, value: object) -> list[int]:
+    return _counts(doc, path, value, 0, MAX_TOKENS)
+
+
+def _counts(doc: Doc, path: tuple, value: object, minimum: int, maximum: int) -> list[int]:
+    if isinstance(value, list):
+        return [want_int(doc, path + (i,), v, minimum=minimum, maximum=maximum)
+                for i, v in enumerate(_list(doc, path, value))]
+    return [want_int(doc, path, value, minimum=minimum, maximum=maximum)]
+
+
+def _check_context(doc: Doc, path: tuple, m: Measurement) -> None:
+    limit, n = m.model.max_context, m.n_seq_ctx
+    if n > limit:
+        parts = [k for k, v in (("shared_prefix", m.shared_prefix), ("depth", m.depth),
+                                ("prompt", True), ("generate", True)) if v]
+        raise doc.error(path + ("prompt",), f"{' + '.join(parts)} = {n:,} tokens exceeds "
+                        f"{m.model.label}'s context length {limit:,}",
+                        fix=f"keep {' + '.join(parts)} at most {limit:,}")
+
+
+def _check_unique(doc: Doc, measurements: list[Measurement]) -> None:
+    seen: dict[str, str] = {}
+    for m in measurements:
+        if m.id in seen:
+            raise doc.error(("tests",), f"{m.test_name} repeats a measurement of {seen[m.id]}: "
+                            f"{m.id}", fix="remove the duplicate")
+        seen[m.id] = m.test_name

@@ -1,0 +1,181 @@
+"""Batching: B sequences decoded together share one read of the weights per step.
+
+The lever's analysis (rows from the stored records), its report table and its plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..analysis.ceilings import combined_ceiling, span
+from ..core.costs import (
+    kv_n_bytes_per_token,
+    matmul_params_per_token,
+    mean_decode_context,
+)
+from ..core.stats import center
+from ..render.plotkit import ci_errors, log2_pair, plt, save
+from ..render.tabular import Column, Table
+from .common import Lever, group_records, group_rows, median_of, round_ratio, spec_of, threads_label
+
+GIB = 2**30
+
+
+# --- analysis
+
+def batching_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
+    """Aggregate and per-sequence decode at each batch size, beside the roofline bound."""
+    decodes = [m for m in measurements if m["n_gen"] and m.get("decode_tok_s")
+               and m.get("kind", "single") in ("single", "batched") and not m.get("depth")
+               and m.get("kv_type", "f16") == "f16" and m["model_key"] in models]
+    rows = []
+    for group in group_records(decodes, lambda m: (m["model_key"], m["threads"], m["n_prompt"],
+                                             m["n_gen"])):
+        if max(m.get("parallel", 1) for m in group) < 2:
+            continue
+        group.sort(key=lambda m: m.get("parallel", 1))
+        base = group[0] if group[0].get("parallel", 1) == 1 else None
+        rows += [_batch_row(m, base, models, probes) for m in group]
+    return rows
+
+
+def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> dict:
+    model, b = models[m["model_key"]], m.get("parallel", 1)
+    spec = spec_of(models, m)
+    weight_n_bytes = model["decode_weight_n_bytes"]
+    bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m), m["threads"],
+                          "stream_gb_s")["value"]
+    peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m), m["threads"],
+                            "compute_gflop_s")["value"]
+    # One step multiplies every weight matrix by B vectors (2 FLOPs per weight per sequence,
+    # plus each sequence's row of logits) and reads each sequence's own KV cache, attending
+    # over it (QK^T and AV: 4 x layers x q_dim FLOPs per cached position).
+    context = mean_decode_context(m["n_prompt"], m["n_gen"])
+    kv_n_bytes = kv_n_bytes_per_token(spec) * context
+    flops_per_token = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size * spec.vocab_size
+                       + 4 * spec.num_hidden_layers * spec.q_dim * context)
+    bound = ridge = None
+    if bw and peak:
+        step_s = max((weight_n_bytes + b * kv_n_bytes) / (bw * 1e9),
+                     b * flops_per_token / (peak * 1e9))
+        bound = b / step_s
+        # memory time = compute time: (W + B kv) / bw = B f / peak
+        denominator = flops_per_token / peak - kv_n_bytes / bw
+        ridge = weight_n_bytes / bw / denominator if denominator > 0 else None
+    agg = median_of(m["decode_tok_s"])
+    return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "parallel": b,
+            "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")
+            or m["decode_tok_s"], "ms_per_step": m["decode_ms_per_token"],
+            "speedup": center(ratio := round_ratio(m, base, "decode") if base else None),
+            "speedup_ci": ratio,
+            "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
+            "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
+            "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
+
+
+def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+    return {"batching": batching_rows(measurements, models, probes)}
+
+
+# --- table
+
+def batching_table(analysis: dict) -> list[Table]:
+    rows = analysis.get("batching") or []
+    if not rows:
+        return []
+    return [Table("batching", "Batching: independent sequences decoded together", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("sequences", "parallel", "int"), Column("aggregate tok/s", "tok_s", "stat"),
+        Column("per-sequence tok/s", "per_sequence_tok_s", "stat"),
+        Column("ms/step", "ms_per_step", "stat"),
+        Column("speed-up (×)", "speedup_ci", "stat2"),
+        Column("weight MiB read per token served", "weight_n_bytes_per_token", "mib"),
+        Column("roofline bound tok/s", "bound_tok_s", "f1"),
+        Column("share of bound", "share_of_bound", "pct")], rows, batching_notes(rows))]
+
+
+def batching_notes(rows: list[dict]) -> list[str]:
+    """Where the gain from batching stops, explained from the measured ceilings."""
+    out = ["Each step is one llama_decode of one token from every sequence (its own seq id); "
+           "aggregate tok/s counts all of them, per-sequence tok/s is what each user sees. The "
+           "weights are read once per step, so the bytes per token served fall as 1/B."]
+    for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
+        group = sorted((r for r in rows if (r["model"], r["dtype"], r["threads"]) == key),
+                       key=lambda r: r["parallel"])
+        out.append(_batching_note(key, group))
+    return out
+
+
+def _batching_note(key: tuple, group: list[dict]) -> str:
+    """The measured gain, and where the roofline puts the end of it, said only as far as the
+    run measured."""
+    best = max(group, key=lambda r: center(r["tok_s"]))
+    top = group[-1]["parallel"]
+    text = (f"{key[0]} {key[1]}, {threads_label(key[2])}: the best aggregate was "
+            f"{center(best['tok_s']):.1f} tok/s at {best['parallel']} sequences")
+    if len(group) >= 2:
+        last, prev = group[-1], group[-2]
+        gain = center(last["tok_s"]) / center(prev["tok_s"]) - 1
+        text += (f"; from {prev['parallel']} to {last['parallel']} sequences the aggregate "
+                 f"{'still grew' if gain > 0 else 'changed'} by {gain:+.0%}")
+    r = next((r for r in group if r["ridge_parallel"]), None)
+    if r:
+        ridge = r["ridge_parallel"]
+        text += (f". A step costs at least max((weights + B × KV) ÷ {r['stream_gb_s']:.1f} "
+                 f"GB/s, B × FLOPs per token ÷ {r['compute_gflop_s']:.0f} GFLOP/s), with the "
+                 "streaming and compute ceilings of ggml's own kernels for this model's types; "
+                 f"the two meet at B ≈ {ridge:.1f}")
+        text += (", inside the measured range: beyond it each extra sequence costs its own "
+                 "compute" if ridge <= top else
+                 f", beyond the largest batch measured ({top}): where the gain really ends "
+                 "was not measured (estimated)")
+        shares = [f"{x['share_of_bound']:.0%} at B = {x['parallel']}" for x in group
+                  if x["share_of_bound"]]
+        if shares:
+            text += ". Measured against that bound: " + ", ".join(shares)
+    return text + "."
+
+
+# --- plot
+
+def batching_finding(rows: list[dict]) -> str:
+    """The plot's title: the largest batch measured, its aggregate gain and each user's share."""
+    top = max(rows, key=lambda r: (r["parallel"], center(r["tok_s"])))
+    solo = next((r for r in rows if r["parallel"] == 1 and (r["model"], r["dtype"], r["threads"])
+                 == (top["model"], top["dtype"], top["threads"])), None)
+    if not solo or not top.get("speedup"):
+        return f"Batching: up to {top['parallel']} sequences decoded together"
+    each = center(top["per_sequence_tok_s"]) / center(solo["tok_s"])
+    return (f"{top['parallel']} sequences together ({top['model']} {top['dtype']}): "
+            f"{top['speedup']:.2f}× the tokens/s of one; each sequence at {each:.0%} of its solo "
+            "speed")
+
+
+def batching(analysis: dict, out_dir: Path) -> str | None:
+    rows = analysis.get("batching") or []
+    if not rows:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, group in group_rows(rows, "model", "dtype", "threads").items():
+        group = sorted(group, key=lambda r: r["parallel"])
+        b = [r["parallel"] for r in group]
+        label = f"{key[0]} {key[1]} ({key[2]} threads)"
+        line = a1.errorbar(b, [center(r["tok_s"]) for r in group],
+                           yerr=ci_errors([r["tok_s"] for r in group]), fmt="o-", capsize=3,
+                           label=f"{label}: measured (95% CI)")[0]
+        if all(r["bound_tok_s"] for r in group):
+            a1.plot(b, [r["bound_tok_s"] for r in group], "--", color=line.get_color(),
+                    label="roofline bound from the measured ceilings")
+        a2.errorbar(b, [center(r["per_sequence_tok_s"]) for r in group],
+                    yerr=ci_errors([r["per_sequence_tok_s"] for r in group]), fmt="o-",
+                    capsize=3, label=label)
+    log2_pair(a1, a2, "sequences decoded together", "aggregate tokens/s",
+              "tokens/s each sequence sees")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    fig.suptitle(batching_finding(rows))
+    return save(fig, out_dir, "batching")
+
+
+LEVER = Lever("batching", analyze, batching_table, ("batching",),
+              batching, "batching",
+              "Aggregate and per-sequence decode tok/s against the number of sequences")

@@ -1,0 +1,174 @@
+"""Quantization: fewer bytes per weight, faster decode, prefill about the same.
+
+The lever's analysis (rows from the stored records), its report table and its plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..analysis.ceilings import is_plain
+from ..core.stats import center
+from ..render.plotkit import ci_errors, finish, plt
+from ..render.tabular import Column, Table
+from .common import Lever, group_records, group_rows, round_ratio
+
+GIB = 2**30
+
+
+# --- analysis
+
+def composition(model: dict) -> dict:
+    """What a file really holds: bits per weight and each tensor type's share of the weights."""
+    params = model.get("tensor_type_n_params") or {}
+    n_bytes = model["tensor_type_n_bytes"]
+    total_params = sum(params.values())
+    shares = ({t: n / total_params for t, n in sorted(params.items(), key=lambda kv: -kv[1])}
+              if total_params else {})
+    # Runs recorded before the per-type counts existed: llama.cpp's own parameter count.
+    n_params = total_params or model.get("n_params")
+    return {"bits_per_weight": 8 * sum(n_bytes.values()) / n_params if n_params else None,
+            "params_share": shares,
+            "bytes_share": {t: n / sum(n_bytes.values()) for t, n in n_bytes.items()}}
+
+
+def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
+    """Per model and thread count with two or more dtypes: bytes, speeds and speed-ups."""
+    plain = [m for m in measurements if is_plain(m) and m["model_key"] in models]
+    rows = []
+    for group in group_records(plain, lambda m: (m["model"], m["threads"])):
+        by_dtype: dict[str, dict] = {}
+        for m in group:
+            row = by_dtype.setdefault(m["dtype"], {"model": m["model"], "dtype": m["dtype"],
+                                                   "threads": m["threads"]})
+            if m["n_gen"] and "decode_tok_s" not in row:
+                row["decode_tok_s"], row["_decode"] = m["decode_tok_s"], m
+            if m["n_gen"] == 0 and m.get("prefill_tok_s") and "prefill_tok_s" not in row:
+                row["prefill_tok_s"], row["n_prompt"] = m["prefill_tok_s"], m["n_prompt"]
+                row["_prefill"] = m
+        if len(by_dtype) < 2:
+            continue
+        for dtype, row in by_dtype.items():
+            model = models[f"{row['model']}|{dtype}"]
+            row |= {"file_n_bytes": model["weights_n_bytes"],
+                    "bytes_per_token": model["decode_weight_n_bytes"]} | composition(model)
+        rows += _speedups(list(by_dtype.values()))
+    return rows
+
+
+def _speedups(rows: list[dict]) -> list[dict]:
+    """Against the widest type present (F32 normally): byte reduction and speed-ups."""
+    base = max(rows, key=lambda r: r["bytes_per_token"])
+    for r in rows:
+        r["baseline"] = base["dtype"]
+        r["byte_reduction"] = base["bytes_per_token"] / r["bytes_per_token"]
+        for phase in ("decode", "prefill"):
+            ours, theirs = r.get(f"_{phase}"), base.get(f"_{phase}")
+            ratio = round_ratio(ours, theirs, phase) if ours and theirs else None
+            r[f"{phase}_speedup"] = center(ratio)
+            r[f"{phase}_speedup_ci"] = ratio
+        r["speedup_per_byte_reduction"] = (r["decode_speedup"] / r["byte_reduction"]
+                                           if r["decode_speedup"] else None)
+    for r in rows:
+        r.pop("_decode", None)
+        r.pop("_prefill", None)
+    return sorted(rows, key=lambda r: -r["bytes_per_token"])
+
+
+def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+    return {"quant": quant_rows(measurements, models)}
+
+
+# --- table
+
+def _shares(shares: dict) -> str:
+    return ", ".join(f"{t} {s:.0%}" for t, s in shares.items() if s >= 0.005)
+
+
+def quant_tables(analysis: dict) -> list[Table]:
+    rows = analysis.get("quant") or []
+    if not rows:
+        return []
+    speed = Table("quant", "Quantization: fewer bytes per token, faster decode", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("bits/weight", "bits_per_weight", "f2"), Column("size (GiB)", "file_n_bytes", "gib"),
+        Column("read per token (GiB)", "bytes_per_token", "gib"),
+        Column("byte reduction", "byte_reduction", "x"),
+        Column("decode tok/s", "decode_tok_s", "stat"),
+        Column("decode speed-up (×)", "decode_speedup_ci", "stat2"),
+        Column("prefill tok/s", "prefill_tok_s", "stat"),
+        Column("prefill speed-up (×)", "prefill_speedup_ci", "stat2"),
+        Column("speed-up ÷ byte reduction", "speedup_per_byte_reduction", "f2")], rows,
+        [f"Speed-ups and byte reductions are against {rows[0]['baseline'].upper()} of the same "
+         "model. If decode were purely bandwidth-bound, its speed-up would equal the byte "
+         "reduction (last column 1.00); below 1, dequantizing the blocks costs CPU time that "
+         "the saved bytes do not cover on these cores.",
+         _prefill_note(rows)])
+    comp = Table("quant_composition", "What each file really holds", [
+        Column("model", "model"), Column("dtype", "dtype"),
+        Column("bits/weight", "bits_per_weight", "f2"),
+        Column("share of weights by type", "params"), Column("share of bytes by type", "bytes")],
+        list({(r["model"], r["dtype"]): {
+            "model": r["model"], "dtype": r["dtype"], "bits_per_weight": r["bits_per_weight"],
+            "params": _shares(r["params_share"]), "bytes": _shares(r["bytes_share"])}
+            for r in rows}.values()),
+        ["Read from each file's tensor table. bits/weight = 8 × all tensor bytes ÷ all weights. "
+         "llama.cpp's quantize recipes keep norms in F32, give some tensors (the output layer, "
+         "V and FFN-down in the K-quant mixes) more bits, and fall back to another type for "
+         "any tensor whose rows are not a multiple of the type's block (256 for K-quants)."])
+    return [speed, comp]
+
+
+def _prefill_note(rows: list[dict]) -> str:
+    """What prefill did with fewer bytes, from this run's numbers."""
+    def span(key: str) -> str:
+        values = [r[key] for r in rows if r.get(key) and r["dtype"] != r["baseline"]]
+        return f"{min(values):.2f}–{max(values):.2f}×" if values else "not measured"
+
+    return ("Prefill multiplies whole matrices and is compute-bound, so its bytes matter little: "
+            "what changes is the kernel each type runs (ggml's quantized types quantize the "
+            "activations to 8 bits and use integer dot products; F16 and BF16 have their own "
+            "kernels, which depend on the CPU's instructions). Speed-up here: "
+            f"prefill {span('prefill_speedup')}, decode {span('decode_speedup')}.")
+
+
+# --- plot
+
+def quant_finding(rows: list[dict]) -> str:
+    """The plot's title: the largest byte reduction measured and what it bought each phase."""
+    top = max(rows, key=lambda r: r["byte_reduction"])
+    text = (f"{top['dtype']} reads {top['byte_reduction']:.1f}× fewer bytes than "
+            f"{top['baseline']}")
+    speeds = [f"{phase} {top[f'{phase}_speedup']:.2f}× faster" for phase in ("decode", "prefill")
+              if top.get(f"{phase}_speedup")]
+    return text + (": " + ", ".join(speeds) if speeds else "")
+
+
+def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
+    rows = [r for r in analysis.get("quant") or [] if r["dtype"] != r["baseline"]]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = max(r["byte_reduction"] for r in rows) * 1.1
+    ax.plot([1, top], [1, top], "--", color="0.6", label="speed-up = byte reduction")
+    for (model, threads), group in group_rows(rows, "model", "threads").items():
+        for phase, marker in (("decode", "o"), ("prefill", "s")):
+            pts = sorted((r for r in group if r.get(f"{phase}_speedup")),
+                         key=lambda r: (r["byte_reduction"], r[f"{phase}_speedup"]))
+            if not pts:
+                continue
+            ax.errorbar([r["byte_reduction"] for r in pts], [r[f"{phase}_speedup"] for r in pts],
+                        yerr=ci_errors([r[f"{phase}_speedup_ci"] for r in pts]), fmt=marker,
+                        capsize=3, label=f"{phase}: {model} ({threads} threads), 95% CI")
+            # staggered labels: types of nearly the same size would print on top of each other
+            for i, r in enumerate(pts):
+                ax.annotate(r["dtype"], (r["byte_reduction"], r[f"{phase}_speedup"]),
+                            textcoords="offset points", xytext=(6, -14 + 11 * (i % 3)),
+                            fontsize=7)
+    return finish(ax, fig, out_dir, "quant_speedup",
+                  "byte reduction per decode step (× fewer bytes than the widest type)",
+                  "speed-up over the widest type (×)", quant_finding(rows))
+
+
+LEVER = Lever("quant", analyze, quant_tables, ("quant", "quant_composition"),
+              quant_speedup, "quant_speedup",
+              "Decode and prefill speed-up of each weight type against its byte reduction")

@@ -1,0 +1,44 @@
+"""The analysis record of a run: the two phases, the machine, the estimates, and every lever
+in the registry. Recomputed whenever a report is rendered from stored records."""
+
+from __future__ import annotations
+
+from ..analysis.estimates import prediction_table, predictions, workload_balance
+from ..analysis.machine import ceilings_summary, probe_errors, stability
+from ..analysis.phases import decode_rows, fit_verdicts, phase_use, prefill_rows
+from ..core.errors import HarnessError
+from ..core.specs import all_specs
+from ..engine.noise import NOISY_CORES
+from ..levers import analyze_levers
+
+# Bump when the analysis gains or changes fields: reports recompute older stored analyses.
+ANALYSIS_VERSION = 7
+
+
+def analyze(measurements: list[dict], models: dict, probes: list[dict],
+            table: dict[str, dict[str, float]], rounds: list[dict] | None = None,
+            noisy_cores: float = 0.10) -> dict:
+    """Everything the rule-of-thumb section of a report shows."""
+    decode = decode_rows(measurements, models, probes)
+    prefill = prefill_rows(measurements, models, probes)
+    fits = fit_verdicts(decode)
+    levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
+    return levers | {
+        "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
+        "probe_errors": probe_errors(probes),
+        "decode": decode, "fits": fits, "prefill": prefill,
+        "predictions": predictions(fits, decode, models, table),
+        "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
+        "stability": stability(measurements, rounds or [], noisy_cores),
+        "phase_use": phase_use(decode, prefill, models),
+    }
+
+
+def analyze_records(records) -> dict:
+    """The analysis of whatever a results file holds (complete or not)."""
+    try:
+        table = prediction_table(all_specs())
+    except HarnessError:
+        table = {}
+    return analyze(records.measurements, records.models, records.probes, table,
+                   records.rounds, NOISY_CORES)

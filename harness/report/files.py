@@ -1,0 +1,69 @@
+"""Load a run directory and write its report files (the I/O side of report.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.errors import HarnessError
+from ..engine.build import write_text_atomically
+from ..engine.results import RESULTS_FILE, read_records
+from .analyze import ANALYSIS_VERSION, analyze_records
+from .page import render_csv, render_json, render_markdown, report_data
+
+FORMATS = ("md", "csv", "json")
+
+
+def load_run(ref: Path):
+    """Records of a run directory (or its results.jsonl)."""
+    path = ref / RESULTS_FILE if ref.is_dir() else ref
+    if not path.exists():
+        raise HarnessError("no results here", source=str(ref),
+                           fix="pass a run directory made by `harness run`")
+    records = read_records(path)
+    if records.header is None:
+        raise HarnessError("results file is empty", source=str(path),
+                           fix="run the scenario again; nothing was measured")
+    return path.parent, records
+
+
+def analysis_of(records) -> dict:
+    """The stored analysis when the run finished, else one computed from what was measured."""
+    complete = records.analyses and records.analyses[-1]["seq"] > max(
+        (m["seq"] for m in records.measurements), default=0)
+    # An analysis stored by an older harness lacks newer fields: recompute it (it is pure).
+    current = complete and records.analyses[-1].get("version") == ANALYSIS_VERSION
+    return records.analyses[-1] if current else analyze_records(records)
+
+
+def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
+                 lesson: bool | None = None) -> Path:
+    """Render a run's report (with plots for markdown) and write it; returns the path. A run
+    of a scenario with a `reference:` block (or lesson=True) gets the lesson page."""
+    from ..core.reference import reference_from_header
+
+    analysis = analysis_of(records)
+    data = report_data(records, analysis)
+    reference = reference_from_header(records.header)
+    as_lesson = lesson if lesson is not None else reference is not None
+    out = out or run_dir / f"report.{fmt}"
+    if fmt == "md":
+        from .plots import write_plots
+
+        try:
+            plots = write_plots(records.measurements, analysis, out.parent)
+        except OSError as exc:
+            raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent),
+                               fix="choose a writable place with -o, or free some disk"
+                               ) from None
+        if as_lesson:
+            from .lesson import lesson_data, render_lesson
+
+            text = render_lesson(lesson_data(records, analysis, reference), plots)
+        else:
+            text = render_markdown(data, plots)
+        write_text_atomically(out, text)
+    elif fmt == "csv":
+        write_text_atomically(out, render_csv(data))
+    else:
+        write_text_atomically(out, render_json(data))
+    return out

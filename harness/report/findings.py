@@ -1,0 +1,176 @@
+"""The findings a page opens with: a few sentences, each computed from the run and true of it,
+each left out when the run lacks its data. Pure."""
+
+from __future__ import annotations
+
+from ..core.stats import center
+
+GB = 1e9
+
+
+def main_model(analysis: dict) -> tuple | None:
+    """The model the side-by-side table is about: the one with the most prompt lengths."""
+    counts: dict[tuple, int] = {}
+    for r in analysis["prefill"]:
+        if r["n_gen"] == 0 and r["dtype"] == "f32":
+            key = (r["model"], r["dtype"], r["threads"])
+            counts[key] = counts.get(key, 0) + 1
+    size = {(r["model"], r["dtype"], r["threads"]): r["bytes_per_token"]
+            for r in analysis["decode"]}
+    keys = [k for k in counts if k in size]
+    # the most prompt lengths; among equals the most threads, then the smallest model
+    return max(keys, key=lambda k: (counts[k], k[2], -size[k])) if keys else None
+
+
+def findings(data: dict) -> list[str]:
+    """Five or six sentences with the run's numbers, each true of it (data: the analysis, the
+    main model as (model, dtype, threads) or None, and the checked claims)."""
+    a, main = data["analysis"], data["main"]
+    out = []
+    if main:
+        out += _two_phases(a, main)
+    out += _size_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
+    out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
+    out += _prefix_finding(a)
+    claims = data.get("claims") or []
+    if claims:
+        held = sum(c["verdict"] == "holds" for c in claims)
+        tested = sum(c["verdict"] != "not measured" for c in claims)
+        out.append(f"Of the course's {len(claims)} claims checked here, {held} of the "
+                   f"{tested} this run could test hold on this machine (table below).")
+    return out
+
+
+def rows_of(rows: list[dict], key: tuple) -> list[dict]:
+    return [r for r in rows if (r["model"], r["dtype"], r["threads"]) == key]
+
+
+def _two_phases(a: dict, main: tuple) -> list[str]:
+    pre = sorted((r for r in rows_of(a["prefill"], main) if r["n_gen"] == 0),
+                 key=lambda r: r["n_prompt"])
+    dec = rows_of(a["decode"], main)
+    if not pre or not dec:
+        return []
+    p, d = pre[0], dec[0]
+    p_ms, d_ms = 1000 / center(p["tok_s"]), 1000 / center(d["tok_s"])
+    threads = f"{main[2]} thread{'s' if main[2] != 1 else ''}"
+    return [f"On {main[0]} ({main[1].upper()}, {threads}), prefill of a "
+            f"{p['n_prompt']}-token prompt ran at {center(p['tok_s']):.0f} tok/s "
+            f"({p_ms:.1f} ms per token) and decode at {center(d['tok_s']):.1f} tok/s "
+            f"({d_ms:.0f} ms per token): each decoded token took as long as "
+            f"{d_ms / p_ms:.0f} prompt tokens."]
+
+
+def _size_finding(a: dict) -> list[str]:
+    fit = next((f for f in a["fits"] if f.get("fit")), None)
+    if not fit:
+        return []
+    ids = fit.get("ids")
+    rows = sorted((r for r in a["decode"] if r["threads"] == fit["threads"]
+                   and (ids is None or r["id"] in ids)), key=lambda r: r["bytes_per_token"])
+    several = len({r["dtype"] for r in rows}) > 1
+    speeds = ", ".join(f"{r['model']}{' ' + r['dtype'] if several else ''} "
+                       f"{r['bytes_per_token'] / GB:.2f} GB → {center(r['tok_s']):.1f} tok/s"
+                       for r in rows)
+    tok_s = [center(r["tok_s"]) for r in rows]
+    falling = all(a > b for a, b in zip(tok_s, tok_s[1:], strict=False))
+    eff = [r["effective_gb_s"] for r in rows]
+    head = ("Decode slowed as the bytes read per token grew" if falling else
+            "Decode speed did not fall steadily with the bytes read per token")
+    text = (f"{head} ({speeds}); tok/s × bytes ranged {min(eff):.0f}–{max(eff):.0f} GB/s, "
+            f"and the fit through the origin gives {fit['fit']['gb_s']:.1f} GB/s")
+    r2 = fit["fit"]["r2"]
+    text += f" (R² = {r2:.2f})." if r2 is not None else "."
+    if not fit["memory_bound"]:
+        text += f" Read with care: {fit['reasons'][0]}."
+    return [text]
+
+
+def _use_finding(a: dict) -> list[str]:
+    use = a.get("phase_use") or []
+    # the configuration the page is about: the most threads, then the first model
+    pre = max((u for u in use if u["phase"] == "prefill"), key=lambda u: u["threads"],
+              default=None)
+    dec = next((u for u in use if u["phase"] == "decode" and pre and
+                (u["model"], u["dtype"], u["threads"]) ==
+                (pre["model"], pre["dtype"], pre["threads"])), None)
+    if not pre or not dec or None in (pre["compute_share"], dec["stream_share"],
+                                      pre["stream_share"], dec["compute_share"]):
+        return []
+    return [f"Prefill of {pre['model']} used {pre['compute_share']:.0%} of the compute peak and "
+            f"{pre['stream_share']:.0%} of the memory bandwidth; decode used "
+            f"{dec['stream_share']:.0%} of the bandwidth and {dec['compute_share']:.0%} of the "
+            "compute (against llama.cpp's own kernels, measured in this run)"
+            + ("; a share above 100% means the model ran faster than the ceiling kernel did on "
+               "its probe matrix beside it." if max(pre["compute_share"], dec["stream_share"])
+               > 1 else ".")]
+
+
+def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in a["prefill"]:
+        if r["n_gen"] == 0:
+            groups.setdefault((r["model"], r["dtype"], r["threads"]), []).append(r)
+    if main not in groups:  # the model with the most prompt lengths
+        main = max(groups, key=lambda k: (len(groups[k]), k), default=None)
+    pre = groups.get(main, [])
+    if len({r["n_prompt"] for r in pre}) < 2:
+        return []
+    short, long = min(pre, key=lambda r: r["n_prompt"]), max(pre, key=lambda r: r["n_prompt"])
+    return [f"A {long['n_prompt']:,}-token prompt to {main[0]} took {long['seconds']:.1f} s "
+            f"before its first token ({center(long['tok_s']):.0f} tok/s, against "
+            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens)."]
+
+
+def _quant_finding(a: dict) -> list[str]:
+    q = [r for r in a.get("quant") or [] if r["dtype"] != r["baseline"]
+         and r.get("decode_speedup") and r.get("prefill_speedup")]
+    if not q:
+        return []
+    r = min(q, key=lambda r: r["bytes_per_token"])
+    return [f"{r['dtype'].upper()} weights ({r['bits_per_weight']:.1f} bits per weight, "
+            f"{r['byte_reduction']:.1f}× fewer bytes than {r['baseline'].upper()}) decoded "
+            f"{r['decode_speedup']:.2f}× and prefilled {r['prefill_speedup']:.2f}× as fast."]
+
+
+def _batch_finding(a: dict) -> list[str]:
+    rows = [r for r in a.get("batching") or [] if r["parallel"] > 1 and r.get("speedup")]
+    if not rows:
+        return []
+    r = max(rows, key=lambda r: r["parallel"])
+    return [f"{r['parallel']} sequences decoded together gave {r['speedup']:.2f}× the aggregate "
+            f"tok/s of one; each sequence still got {center(r['per_sequence_tok_s']):.1f} "
+            "tok/s."]
+
+
+def _kv_finding(a: dict) -> list[str]:
+    rows = [r for r in a.get("kv_depth") or [] if r["depth"] and r["kv_type"] == "f16"
+            and r.get("measured_slowdown")]
+    if not rows:
+        return []
+    r = max(rows, key=lambda r: r["depth"])
+    return [f"With {r['depth']:,} tokens already cached, decode of {r['model']} ran "
+            f"{center(r['measured_slowdown']):.2f}× slower than from an empty cache timed "
+            f"beside it, where the extra bytes alone predict {r['predicted_slowdown']:.2f}×."]
+
+
+def _threads_finding(a: dict) -> list[str]:
+    out = []
+    for phase in ("prefill", "decode"):
+        rows = [r for r in a.get("threads") or [] if r["phase"] == phase and r.get("speedup")]
+        if len({r["threads"] for r in rows}) < 2:
+            continue
+        lo, hi = min(rows, key=lambda r: r["threads"]), max(rows, key=lambda r: r["threads"])
+        out.append(f"{phase.capitalize()} of {hi['model']} ran {hi['speedup'] / lo['speedup']:.2f}"
+                   f"× faster on {hi['threads']} threads than on {lo['threads']}.")
+    return out
+
+
+def _prefix_finding(a: dict) -> list[str]:
+    rows = [r for r in a.get("prefix") or [] if r.get("seq_copy_s")]
+    if not rows:
+        return []
+    r = rows[0]
+    return [f"Reusing a cached {r['shared_prefix']:,}-token prefix cut the time to first token "
+            f"from {center(r['recompute_s']):.2f} s to {center(r['seq_copy_s']):.2f} s "
+            f"(a {r['seq_copy_saving']:.0%} saving)."]

@@ -1,0 +1,213 @@
+"""Pure renderers for the console: model specs and the environment."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from ..core.costs import decode_weight_n_bytes, kv_n_bytes_per_token, weights_n_bytes
+from ..core.dtypes import DTYPES
+from ..core.specs import ModelSpec, n_params
+from ..core.stats import center, inverse
+from ..weights.gguf_build import file_n_bytes, table_from_plan
+
+GIB = 2**30
+# Quantized sizes are nominal (every matrix at the base type); real recipes mix in other types.
+NOMINAL_DTYPES = ("q8_0", "q4_0")
+
+
+def model_row(spec: ModelSpec) -> dict:
+    """The numbers `harness models` shows for one spec."""
+    f32 = DTYPES["f32"]
+    n = n_params(spec)
+    row = {
+        "name": spec.name, "architecture": spec.architecture,
+        "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
+        "heads": spec.num_attention_heads, "kv_heads": spec.num_key_value_heads,
+        "n_params": n, "tied_embeddings": spec.tie_word_embeddings,
+        "weights_n_bytes": {d: weights_n_bytes(table_from_plan(spec, DTYPES[d]))
+                            for d in ("f32", "f16", "bf16")},
+        "file_n_bytes": {d: file_n_bytes(spec, DTYPES[d]) for d in ("f32", "f16", "bf16")},
+        "nominal_n_bytes": {d: int(n * DTYPES[d].bits_per_weight / 8) for d in NOMINAL_DTYPES},
+        "kv_n_bytes_per_token_f16": int(kv_n_bytes_per_token(spec)),
+        "decode_weight_n_bytes_f32": decode_weight_n_bytes(table_from_plan(spec, f32)),
+        "source": spec.source,
+    }
+    return row
+
+
+def models_rows(specs: dict[str, ModelSpec]) -> list[dict]:
+    return [model_row(s) for s in specs.values()]
+
+
+def render_models_table(rows: list[dict]) -> str:
+    headers = ["model", "arch", "layers", "hidden", "heads/kv", "params", "F32", "F16",
+               "Q8_0*", "Q4_0*", "KV/token (F16)", "decode reads/token (F32)"]
+    body = [[r["name"], r["architecture"], r["layers"], r["hidden"],
+             f"{r['heads']}/{r['kv_heads']}", f"{r['n_params']:,}",
+             fmt_bytes(r["weights_n_bytes"]["f32"]), fmt_bytes(r["weights_n_bytes"]["f16"]),
+             fmt_bytes(r["nominal_n_bytes"]["q8_0"]), fmt_bytes(r["nominal_n_bytes"]["q4_0"]),
+             fmt_bytes(r["kv_n_bytes_per_token_f16"]),
+             fmt_bytes(r["decode_weight_n_bytes_f32"])] for r in rows]
+    note = ("Sizes are tensor bytes (llama-bench's model_size); the file adds a few MB of "
+            "metadata.\n* nominal: every matrix at the base type; llama.cpp's recipes keep "
+            "some tensors at other types.\nDecode reads every weight once per token, the token "
+            "embedding as one row unless tied to the output.")
+    return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + "\n" + note
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render_env(info: dict) -> str:
+    llama = info.get("llama", {})
+    rows = [
+        ("CPU", info["cpu_model"]),
+        ("cores", f"{info['physical_cores']} physical, {info['logical_cores']} logical"),
+        ("RAM", f"{(info['ram_total_bytes'] or 0) / GIB:.1f} GiB total, "
+                f"{(info['ram_available_bytes'] or 0) / GIB:.1f} GiB available"),
+        ("last-level cache", f"{(info['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB"),
+        ("OS", info["os"]),
+        ("Python", info["python"]),
+        ("harness", info["harness"]),
+        ("llama-cpp-python", llama.get("llama_cpp_python")),
+        ("llama.cpp commit", f"{llama.get('ggml_commit')} (ggml {llama.get('ggml_version')})"),
+        ("llama.cpp system info", llama.get("system_info")),
+        ("gguf", info["gguf"]),
+        ("numpy", info["numpy"]),
+    ]
+    return tabulate(rows, tablefmt="plain")
+
+
+def _with_ci(summary: dict | None, digits: int = 2) -> str:
+    """median (95% CI of the median), or the median alone when there is no interval."""
+    if not summary or not summary.get("n"):
+        return ""
+    ci = summary.get("median_ci95")
+    if ci is None:
+        return f"{center(summary):.{digits}f} (n={summary['n']})"
+    return f"{center(summary):.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+
+
+def repetitions_label(policy) -> str:
+    """5 repetitions, or auto: until the median's 95% CI is within ±3% (6–200)."""
+    if not policy.auto:
+        return f"{policy.repetitions} repetitions"
+    return (f"auto repetitions: until the median's 95% CI is within ±{policy.target_ci:.0%} "
+            f"({policy.min_repetitions}–{policy.max_repetitions})")
+
+
+def round_line(progress: dict) -> str:
+    """One line per round: how many cells go on, and the widest CI left."""
+    widest = progress["widest_ci"]
+    ci = ("" if not progress["active"] or progress["widest_id"] is None else
+          f"; widest CI left ±{widest:.1%} ({progress['widest_id']})" if widest != float("inf")
+          else f"; {progress['widest_id']} has too few repetitions for a 95% CI yet")
+    return (f"round {progress['round'] + 1}: {progress['finished']} cell(s) finished, "
+            f"{progress['active']} go on{ci} [{progress['elapsed_s']:.0f} s]")
+
+
+def test_label(record: dict) -> str:
+    """pp512 (prefill only), tg64 (decode from empty), pp16+tg64, then the levers:
+    tg32@d2048 (at a depth), kv=q8_0, x8 (8 sequences), px2048+pp32 (after a shared prefix)."""
+    if record["n_gen"] == 0:
+        label = f"pp{record['n_prompt']}"
+    elif record["n_prompt"] == 0:
+        label = f"tg{record['n_gen']}"
+    else:
+        label = f"pp{record['n_prompt']}+tg{record['n_gen']}"
+    if record.get("shared_prefix"):
+        label = f"px{record['shared_prefix']}+{label}"
+    if record.get("depth"):
+        label += f"@d{record['depth']}"
+    if record.get("parallel", 1) > 1:
+        label += f" x{record['parallel']}"
+    if record.get("kv_type", "f16") != "f16":
+        label += f" kv={record['kv_type']}"
+    return label
+
+
+def render_summary(measurements: list[dict]) -> str:
+    """The end-of-run table: tok/s with their 95% confidence intervals, and flags."""
+    if not measurements:
+        return "no measurements"
+    headers = ["model", "dtype", "threads", "test", "prefill tok/s", "decode tok/s",
+               "ms/token", "n", "flags"]
+    body = [[m["model"], m["dtype"], m["threads"], test_label(m), _with_ci(m["prefill_tok_s"]),
+             _with_ci(m["decode_tok_s"]), _with_ci(inverse(m["decode_tok_s"])),
+             m["repetitions"], ", ".join(m["flags"])] for m in measurements]
+    return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
+        "\nMedians over the repetitions, with the 95% confidence interval of the median in " \
+        "brackets; ms/token = 1000 ÷ the decode rate."
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:.0%}" if x is not None else "missing"
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if x is not None else "missing"
+
+
+def render_analysis(a: dict) -> str:
+    """The rule-of-thumb summary shown at the end of `harness run`."""
+    parts = []
+    if a["decode"]:
+        body = [[r["model"], r["dtype"], r["threads"], f"{r['bytes_per_token'] / 1e9:.2f}",
+                 _with_ci(r["tok_s"]), _num(r["effective_gb_s"]),
+                 _num(r["stream_ceiling"]["value"]), _pct(r["share_of_stream"]),
+                 _num(r["read_ceiling"]["value"]), ", ".join(f for f in r["flags"])]
+                for r in a["decode"]]
+        parts.append("Decode: effective bandwidth = tok/s × GB read per token\n" + tabulate(
+            body, ["model", "dtype", "threads", "GB/token", "tok/s", "effective GB/s",
+                   "streaming ceiling GB/s", "share", "numpy read GB/s", "flags"],
+            tablefmt="simple", disable_numparse=True))
+    for f in a["fits"]:
+        fit = f["fit"]
+        parts.append(f"Fit, {f['threads']} threads: tok/s = {fit['gb_s']:.1f} GB/s ÷ bytes "
+                     f"(R² = {_num(fit['r2'], 3)}, {fit['n_points']} points)\n"
+                     f"  verdict: {f['verdict']}")
+    body = [[r["model"], r["dtype"], r["threads"], r["n_prompt"], _with_ci(r["tok_s"]),
+             _num(r["gflop_s"]), _num(r["compute_peak"]["value"]), _pct(r["share_of_peak"])]
+            for r in a["prefill"] if r["n_gen"] == 0]
+    if body:
+        parts.append("Prefill: achieved GFLOP/s against ggml's compute peak for the model's "
+                     "types\n" + tabulate(body, ["model", "dtype", "threads", "prompt", "tok/s",
+                                                  "GFLOP/s", "peak GFLOP/s", "share"],
+                                           tablefmt="simple", disable_numparse=True))
+    drift = [c for c in a["ceilings"] if c["drift"] is not None]
+    if drift:
+        worst = max(drift, key=lambda c: abs(c["drift"]))
+        parts.append(f"Ceilings moved by up to {abs(worst['drift']):.0%} between the probes "
+                     f"before and after ({' '.join(worst['what'])}, {worst['threads']} "
+                     "threads).")
+    for error in a["probe_errors"]:
+        parts.append(f"Probe failed: {error}; that ceiling is missing.")
+    return "\n\n".join(parts)
+
+
+def render_probe(result: dict) -> str:
+    """numpy read and copy, then ggml's streaming and compute figures per weight type."""
+    threads = sorted(result["threads"].items(), key=lambda kv: int(kv[0]))
+    text = tabulate([[t, _num(v["read_gb_s"]), _num(v.get("copy_gb_s"))] for t, v in threads],
+                    ["threads", "numpy read GB/s", "numpy copy GB/s"], tablefmt="simple",
+                    disable_numparse=True)
+    body = [[t, dtype, e.get("layout", ""), _num(e.get("stream_gb_s")),
+             _num(e.get("compute_gflop_s")), e.get("error", "")]
+            for t, v in threads for dtype, e in (v.get("ggml") or {}).items()]
+    text += "\n\n" + tabulate(body, ["threads", "weights", "layout", "ggml streaming GB/s",
+                                     "ggml compute GFLOP/s", "missing because"],
+                               tablefmt="simple", disable_numparse=True)
+    notes = [f"numpy: best of {result['passes']['read']} passes over "
+             f"{result['array_n_bytes'] / 2**20:.0f} MiB arrays (STREAM conventions: copy "
+             "counts bytes read + written); the machine's plain memory figures.",
+             f"ggml: llama.cpp's own kernels, best of {result['passes']['stream']} passes; "
+             f"streaming = a matrix-vector product over {result['stream_n_bytes'] / 2**20:.0f} "
+             "MiB of weights (GB/s of weight bytes), compute = weights times a 512-column "
+             "activation (GFLOP/s). layout CPU_REPACK: weights repacked as llama.cpp does at "
+             "load for this type on this CPU; CPU: the plain layout."] + result["notes"]
+    return text + "\n" + "\n".join(notes)

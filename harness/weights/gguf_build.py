@@ -1,0 +1,236 @@
+"""Write random-weight GGUF files with the exact tensor shapes of a ModelSpec."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, TokenType
+from gguf.quants import quant_shape_to_byte_shape
+
+from .. import __version__
+from ..core.costs import TensorEntry, decode_weight_n_bytes
+from ..core.dtypes import DTYPES, DType
+from ..core.specs import ModelSpec, TensorPlan, tensor_plan
+
+# Bump when the bytes the builder writes change: it is part of every cache key.
+BUILDER_VERSION = 1
+WEIGHT_STD = 0.02  # the init scale of GPT-2/Llama-style models: keeps logits finite
+# 2**24 normal floats (64 MiB at F32), made once per build and laid across the tensors at
+# random offsets. Caches and prefetchers work on addresses, not values, so every tensor still
+# occupies its own bytes of the file and is read from memory in full: the same traffic and the
+# same matrix work as fresh random numbers, at a fraction of the generation time.
+POOL_ELEMENTS = 1 << 24
+ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
+N_SPECIAL = 3  # <unk>, <s>, </s>
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor as it will be written: plan, ggml type and byte count."""
+
+    plan: TensorPlan
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def n_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.ggml_type]
+        return self.plan.n_elements // block * size
+
+
+def planned_tensors(spec: ModelSpec, dtype: DType) -> list[PlannedTensor]:
+    """Tensor types of a directly written file: 1-D tensors stay F32, as convert_hf_to_gguf does."""
+    if not dtype.direct:
+        raise ValueError(f"{dtype.name} is made by llama.cpp's quantizer, not written directly")
+    return [PlannedTensor(t, dtype.ggml_type if len(t.shape) > 1 else GGMLQuantizationType.F32)
+            for t in tensor_plan(spec)]
+
+
+def file_n_bytes(spec: ModelSpec, dtype: DType) -> int:
+    """Exact size of the directly written file, header and padding included."""
+    tensors = planned_tensors(spec, dtype)
+    header = _metadata_n_bytes(spec) + sum(_tensor_info_n_bytes(t.plan) for t in tensors)
+    return _pad(header) + sum(_pad(t.n_bytes) for t in tensors)
+
+
+@functools.lru_cache(maxsize=64)
+def _metadata_n_bytes(spec: ModelSpec) -> int:
+    # Every KV has a fixed size whatever the dtype and seed (both are fixed-width integers).
+    return _kv_n_bytes(_writer_with_metadata(spec, DTYPES["f32"], seed=0))
+
+
+def write_gguf(spec: ModelSpec, dtype: DType, seed: int, path: Path,
+               progress: Callable[[int], None] | None = None) -> int:
+    """Write the file at path (the caller renames it into place) and return its size."""
+    writer = _writer_with_metadata(spec, dtype, seed)
+    tensors = planned_tensors(spec, dtype)
+    for t in tensors:
+        np_dtype, shape = _info_dtype_shape(t)
+        writer.add_tensor_info(t.plan.name, shape, np_dtype, t.n_bytes, raw_dtype=t.ggml_type)
+    pool_elements = min(POOL_ELEMENTS, max(t.plan.n_elements for t in tensors))
+    pools = _Pools(seed, pool_elements)
+    writer.open_output_file(path)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        fout = writer.fout[0]
+        offsets = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
+        for t, offset in zip(tensors, offsets, strict=True):
+            _write_padding(fout)
+            for chunk in pools.chunks(t, int(offset)):
+                fout.write(chunk)
+            if progress:
+                progress(t.n_bytes)
+        _write_padding(fout)
+        fout.flush()
+        os.fsync(fout.fileno())
+        return fout.tell()
+    finally:
+        writer.close()
+
+
+class _Pools:
+    """One random block per tensor type, made once per build from the seed."""
+
+    def __init__(self, seed: int, n_elements: int) -> None:
+        rng = np.random.default_rng(seed)
+        self._base = rng.standard_normal(n_elements, dtype=np.float32) * np.float32(WEIGHT_STD)
+        self._cache: dict[GGMLQuantizationType, memoryview] = {}
+
+    def _pool(self, ggml_type: GGMLQuantizationType) -> memoryview:
+        if ggml_type not in self._cache:
+            self._cache[ggml_type] = memoryview(_encode(self._base, ggml_type)).cast("B")
+        return self._cache[ggml_type]
+
+    def chunks(self, t: PlannedTensor, offset: int) -> Iterator[bytes | memoryview]:
+        """The tensor's bytes: norms are ones, everything else comes from the random pool."""
+        if t.plan.role == "norm":
+            yield np.ones(t.plan.n_elements, dtype=np.float32).tobytes()
+            return
+        pool = self._pool(t.ggml_type)
+        item = GGML_QUANT_SIZES[t.ggml_type][1]
+        start, remaining = offset * item, t.n_bytes
+        while remaining:
+            n = min(remaining, len(pool) - start)
+            yield pool[start:start + n]
+            remaining -= n
+            start = 0
+
+
+def _encode(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    if ggml_type == GGMLQuantizationType.F32:
+        return values
+    if ggml_type == GGMLQuantizationType.F16:
+        return values.astype(np.float16)
+    if ggml_type == GGMLQuantizationType.BF16:
+        bits = values.view(np.uint32)
+        # round to nearest even, as gguf.quants and llama.cpp's converter do
+        return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    raise ValueError(f"cannot write {ggml_type.name} directly")
+
+
+def _info_dtype_shape(t: PlannedTensor) -> tuple[np.dtype, tuple[int, ...]]:
+    """gguf-py takes non-F32 raw types as uint8 byte shapes and converts them back."""
+    if t.ggml_type == GGMLQuantizationType.F32:
+        return np.dtype(np.float32), t.plan.shape
+    return np.dtype(np.uint8), quant_shape_to_byte_shape(t.plan.shape, t.ggml_type)
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _write_padding(fout) -> None:
+    fout.write(b"\0" * (_pad(fout.tell()) - fout.tell()))
+
+
+def _tensor_info_n_bytes(plan: TensorPlan) -> int:
+    """Name (u64 length + bytes), n_dims, dims, type and offset, as GGUF v3 lays them out."""
+    return 8 + len(plan.name.encode()) + 4 + 8 * len(plan.shape) + 4 + 8
+
+
+def _kv_n_bytes(writer: GGUFWriter) -> int:
+    """Bytes of magic, counts and KV data, computed without packing long arrays."""
+    n = 4 + 4 + 8 + 8
+    for key, val in writer.kv_data[0].items():
+        n += 8 + len(key.encode())
+        if val.type == GGUFValueType.ARRAY and val.value:
+            n += 4 + 4 + 8 + _array_items_n_bytes(val.value)
+        else:
+            n += len(writer._pack_val(val.value, val.type, add_vtype=True, sub_type=val.sub_type))
+    return n
+
+
+def _array_items_n_bytes(items: list) -> int:
+    first = items[0]
+    if isinstance(first, str):
+        return 8 * len(items) + len("".join(items).encode())
+    return len(items) * (1 if isinstance(first, bool) else 4)  # gguf-py: INT32 / FLOAT32
+
+
+def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWriter:
+    """A GGUFWriter holding every KV llama.cpp needs to load and describe the model."""
+    w = GGUFWriter(None, spec.architecture)
+    w.add_name(f"{spec.name} (random weights)")
+    w.add_description(f"Synthetic model with the shapes of {spec.source or spec.name}; "
+                      f"random weights N(0, {WEIGHT_STD}), seed {seed}. Made by harness.")
+    w.add_file_type(int(dtype.file_type))
+    w.add_context_length(spec.max_position_embeddings)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_block_count(spec.num_hidden_layers)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_attention_heads)
+    w.add_head_count_kv(spec.num_key_value_heads)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_vocab_size(spec.vocab_size)
+    _add_tokenizer(w, spec.vocab_size)
+    w.add_string("harness.version", __version__)
+    w.add_uint32("harness.builder_version", BUILDER_VERSION)
+    w.add_uint64("harness.seed", seed)
+    w.add_string("harness.spec_sha256", spec.content_hash())
+    return w
+
+
+def _add_tokenizer(w: GGUFWriter, vocab_size: int) -> None:
+    """A SentencePiece-style vocabulary of exactly vocab_size unique tokens."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    rest = vocab_size - len(tokens)
+    tokens += [f"tok{i}" for i in range(len(tokens), vocab_size)]
+    types += [TokenType.NORMAL] * rest
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab_size)
+    w.add_token_types([int(t) for t in types])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
+def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
+    """The tensor table a directly written build of spec has."""
+    return [TensorEntry(t.plan.name, t.plan.shape, t.ggml_type.name, t.n_bytes)
+            for t in planned_tensors(spec, dtype)]
+
+
+def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
+    """Weight bytes a decode step reads at a dtype: exact for F32/F16/BF16; for quantized types
+    every matrix at the base type's bits per weight (recipes keep some tensors at other types)."""
+    if dtype.direct:
+        return decode_weight_n_bytes(table_from_plan(spec, dtype))
+    f32 = table_from_plan(spec, DTYPES["f32"])
+    scaled = [TensorEntry(t.name, t.shape, t.type_name,
+                          t.n_bytes if len(t.shape) == 1 else int(t.n_bytes * dtype.bits_per_weight
+                                                                   / 32))
+              for t in f32]
+    return decode_weight_n_bytes(scaled)

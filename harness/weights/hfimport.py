@@ -1,0 +1,84 @@
+"""Turn a Hugging Face config.json into a model spec (local file or hub repo id)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from ..core.errors import HarnessError
+from ..core.specs import spec_from_doc
+from ..core.yamlio import Doc, read_text
+
+# model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
+SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False)}
+_COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_theta",
+           "rms_norm_eps", "max_position_embeddings")
+
+
+def spec_dict_from_config(config: dict, name: str, source: str | None, origin: str) -> dict:
+    """The spec mapping for one config.json; unsupported architectures are refused."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise HarnessError(f"unsupported model_type {model_type!r}", source=origin,
+                           key="model_type", fix="supported: " + ", ".join(SUPPORTED))
+    arch, default_bias = SUPPORTED[model_type]
+    spec = {"name": name, "source": source, "architecture": arch}
+    for key in _COPIED:
+        if config.get(key) is not None:
+            spec[key] = config[key]
+    spec["attention_bias"] = bool(config.get("attention_bias", default_bias))
+    if spec.get("head_dim") and spec["head_dim"] * spec.get("num_attention_heads", 0) == \
+            spec.get("hidden_size"):
+        spec.pop("head_dim")  # implied; keep specs minimal
+    if source is None:
+        spec.pop("source")
+    # Validate exactly as a spec file would be validated.
+    spec_from_doc(Doc(origin, spec), name)
+    return spec
+
+
+def load_config(ref: str) -> tuple[dict, str, str | None]:
+    """(config, default spec name, source repo id) from a local path or a hub repo id."""
+    path = Path(ref)
+    if path.exists() or ref.endswith(".json"):
+        if path.is_dir():
+            path = path / "config.json"
+        text = read_text(path, "config.json")
+        name = path.parent.name.lower() or "model"
+        source = None
+    else:
+        text, source = _fetch_from_hub(ref), ref
+        name = ref.rsplit("/", 1)[-1].lower()
+        path = Path(ref)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise HarnessError(f"invalid JSON: {exc.msg}", source=str(path), line=exc.lineno,
+                           fix="pass a model's config.json") from None
+    if not isinstance(config, dict):
+        raise HarnessError("expected a JSON object", source=str(path),
+                           fix="pass a model's config.json")
+    return config, name, source
+
+
+def _fetch_from_hub(repo_id: str) -> str:
+    if repo_id.count("/") != 1:
+        raise HarnessError(f"{repo_id!r} is neither a local file nor a hub repo id (owner/name)",
+                           fix="pass a path to config.json or an id like Qwen/Qwen2.5-0.5B")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, "config.json")).read_text()
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
+        raise HarnessError(f"could not fetch config.json of {repo_id} from the hub "
+                           f"({type(exc).__name__})",
+                           fix="check the id and the network, or pass a local config.json"
+                           ) from None
+
+
+def render_spec_yaml(spec: dict) -> str:
+    header = f"# Imported from {spec.get('source') or 'a local config.json'} by harness.\n"
+    return header + yaml.safe_dump(spec, sort_keys=False)
