@@ -88,14 +88,17 @@ def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
         ys = [i + j * height for i in range(len(rows))]
         summaries = [r.get(key) or {} for r in rows]
         values = [center(s) or 0.0 for s in summaries]
-        ax.barh(ys, values, height, xerr=ci_errors(summaries), capsize=3, label=label)
-        for y, v in zip(ys, values, strict=True):
-            ax.annotate(f"{v:.2f} s", (v, y), textcoords="offset points", xytext=(8, -3),
-                        fontsize=8)
+        err = ci_errors(summaries)
+        ax.barh(ys, values, height, xerr=err, capsize=3, label=label)
+        for y, v, hi in zip(ys, values, err[1], strict=True):
+            # the label starts past the error bar so the two never overlap
+            ax.annotate(f"{v:.2f} s", (v + hi, y), textcoords="offset points",
+                        xytext=(6, -3), fontsize=8)
     ax.set_yticks([i + height for i in range(len(rows))],
                   [f"{r['model']} {r['dtype']}\n{r['shared_prefix']} + {r['n_prompt']} tokens"
                    for r in rows], fontsize=8)
     ax.set_xlabel("time to first token (s), bars: 95% CI")
+    ax.set_xlim(right=max(center(r["recompute_s"]) for r in rows) * 1.3)
     ax.set_title(prefix_finding(rows), fontsize=10)
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8)

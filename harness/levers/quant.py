@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..analysis.ceilings import is_plain
 from ..core.stats import center
-from ..render.plotkit import ci_errors, finish, plt
+from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, group_records, group_rows, round_ratio
 
@@ -144,29 +144,43 @@ def quant_finding(rows: list[dict]) -> str:
 
 
 def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
+    """Decode and prefill side by side, one colour per weight type in a legend (labels beside
+    the points overlapped where types cut the bytes alike), one marker per model."""
     rows = [r for r in analysis.get("quant") or [] if r["dtype"] != r["baseline"]]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     top = max(r["byte_reduction"] for r in rows) * 1.1
-    ax.plot([1, top], [1, top], "--", color="0.6", label="speed-up = byte reduction")
-    for (model, threads), group in group_rows(rows, "model", "threads").items():
-        for phase, marker in (("decode", "o"), ("prefill", "s")):
-            pts = sorted((r for r in group if r.get(f"{phase}_speedup")),
-                         key=lambda r: (r["byte_reduction"], r[f"{phase}_speedup"]))
-            if not pts:
-                continue
-            ax.errorbar([r["byte_reduction"] for r in pts], [r[f"{phase}_speedup"] for r in pts],
-                        yerr=ci_errors([r[f"{phase}_speedup_ci"] for r in pts]), fmt=marker,
-                        capsize=3, label=f"{phase}: {model} ({threads} threads), 95% CI")
-            # staggered labels: types of nearly the same size would print on top of each other
-            for i, r in enumerate(pts):
-                ax.annotate(r["dtype"], (r["byte_reduction"], r[f"{phase}_speedup"]),
-                            textcoords="offset points", xytext=(6, -14 + 11 * (i % 3)),
-                            fontsize=7)
-    return finish(ax, fig, out_dir, "quant_speedup",
-                  "byte reduction per decode step (× fewer bytes than the widest type)",
-                  "speed-up over the widest type (×)", quant_finding(rows))
+    dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: min(
+        x["byte_reduction"] for x in rows if x["dtype"] == d))
+    colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(dtypes)}
+    groups = group_rows(rows, "model", "threads")
+    markers = dict(zip(groups, "osD^v<>", strict=False))
+    # types that cut the bytes alike (f16, bf16) sit side by side, not on top of each other
+    alike = group_rows([r | {"x": round(r["byte_reduction"], 1)} for r in rows], "x")
+    dodge = {(r["model"], r["threads"], r["dtype"]): (i - (len(g) - 1) / 2) * 0.08
+             for g in alike.values() for i, r in enumerate(g)}
+    for ax, phase in zip(axes, ("decode", "prefill"), strict=True):
+        ax.plot([1, top], [1, top], "--", color="0.6", label="speed-up = byte reduction")
+        for key, group in groups.items():
+            for r in group:
+                if not r.get(f"{phase}_speedup"):
+                    continue
+                label = r["dtype"] + (f" ({key[0]}, {key[1]} threads)" if len(groups) > 1
+                                      else "")
+                x = r["byte_reduction"] + dodge[(r["model"], r["threads"], r["dtype"])]
+                ax.errorbar([x], [r[f"{phase}_speedup"]],
+                            yerr=ci_errors([r[f"{phase}_speedup_ci"] or {}]),
+                            fmt=markers.get(key, "o"), color=colours[r["dtype"]], capsize=3,
+                            label=label)
+        ax.set_title(f"{phase} (95% CI)", fontsize=10)
+        ax.set_xlabel("× fewer bytes per decode step than the widest type\n"
+                      "(types with equal reductions drawn side by side)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speed-up over the widest type (×)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(quant_finding(rows))
+    return save(fig, out_dir, "quant_speedup")
 
 
 LEVER = Lever("quant", analyze, quant_tables, ("quant", "quant_composition"),

@@ -161,6 +161,7 @@ def threads(analysis: dict, out_dir: Path) -> str | None:
             ax.plot(t, [r["ceiling_speedup"] for r in group], "--", color=line.get_color(),
                     label=f"{'matmul peak' if key[0] == 'prefill' else 'read bandwidth'} "
                     "(its ceiling)")
+    ax.set_xticks(sorted({r["threads"] for r in rows}))
     return finish(ax, fig, out_dir, "threads", "threads", "speed-up over the fewest threads",
                   threads_finding(rows))
 

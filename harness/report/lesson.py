@@ -204,7 +204,8 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
         out += _plot(plot, plots)
     est = estimates_table(data["analysis"])
     if est:
-        out += [markdown_table(est[0]).replace("### ", "## Your machine against others: ", 1),
+        head, _, rest = markdown_table(est[0]).partition("\n")
+        out += ["## Your machine against others (estimates: decode tok/s of every model)", rest,
                 ""]
     out += ["## Method", "", METHOD, "", "## Environment", "", *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]

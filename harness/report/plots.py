@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.ceilings import is_plain
-from ..analysis.phases import longest_decodes
+from ..analysis.phases import MEMORY_BOUND_R2, longest_decodes
 from ..core.stats import center
 from ..levers import write_lever_plots
 from ..render.plotkit import ci_errors, plain_log2, plain_log_y, plt, save
@@ -32,11 +32,13 @@ def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
         b = f["fit"]["gb_s"]
         ax.plot(grid, [b / x for x in grid], lw=2, alpha=0.8,
                 label=f"fit: {b:.1f} GB/s ÷ GB per token ({f['threads']} threads)")
-        title = (f"Decode speed falls as 1/size: tok/s ≈ {b:.0f} GB/s ÷ GB read per token"
-                 if f["memory_bound"] else
-                 f"Decode tok/s against GB read per token: fit {b:.0f} GB/s ÷ GB"
-                 + (f" (R² = {f['fit']['r2']:.2f}; see the verdict)" if f["fit"]["r2"] is not None
-                    else " (see the verdict)"))
+        r2 = f["fit"]["r2"]
+        fits_well = r2 is not None and r2 >= MEMORY_BOUND_R2
+        title = ((f"Decode speed falls as 1/size: tok/s ≈ {b:.0f} GB/s ÷ GB read per token "
+                  f"(R² = {r2:.2f})") if fits_well else
+                 f"Decode tok/s against GB read per token: the fit {b:.0f} GB/s ÷ GB"
+                 + (f" explains little (R² = {r2:.2f})" if r2 is not None else
+                    " (two sizes: R² needs three)"))
     fitted = {i for f in analysis["fits"] for i in f.get("ids") or []}
     ceilings = [r["stream_ceiling"]["value"] for r in rows if r["stream_ceiling"]["value"]
                 and (not fitted or r["id"] in fitted)]
