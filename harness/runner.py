@@ -327,7 +327,7 @@ class _Rounds:
         idle = [r["idle_other_cores"] for r in self.writer.records.rounds
                 if r["round"] in {x["round"] for x in self.reps[m.id]}]
         during = [r.get("during_other_cores") for r in reps]
-        reading = {"idle_other_cores": max(idle, default=0.0),
+        reading = {"idle_other_cores": max((i for i in idle if i is not None), default=None),
                    "during_other_cores": max((d for d in during if d is not None), default=None)}
         run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
                "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
@@ -472,8 +472,12 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
     return writer.records.models[key]
 
 
-def _noise_gate(where: str, strict: bool, console: Console) -> float:
+def _noise_gate(where: str, strict: bool, console: Console) -> float | None:
     cores = noise.idle_reading()
+    if cores is None:
+        console.warn(f"this OS reports no machine-wide CPU time {where}: the noise guard "
+                     "cannot tell whether other processes disturb the timings")
+        return None
     if cores > noise.NOISY_CORES:
         message = f"other processes are using {cores:.2f} cores {where}; timings will be noisy"
         if strict:

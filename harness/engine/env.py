@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
 from importlib import metadata
 from pathlib import Path
+
+import psutil
 
 from .. import __version__
 
@@ -18,43 +21,71 @@ def _read(path: str) -> str:
         return ""
 
 
-def cpu_model() -> str:
-    for line in _read("/proc/cpuinfo").splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict:
+    """py-cpuinfo's record of this CPU (brand, flags, caches) on any OS; {} if it fails.
+    Cached: it takes about a second (it may run CPUID in a subprocess)."""
+    try:
+        import cpuinfo
+
+        return cpuinfo.get_cpu_info() or {}
+    except Exception:  # noqa: BLE001 - a CPU it cannot read is recorded as missing, never fatal
+        return {}
+
+
+def cpu_model() -> str | None:
+    return cpu_info().get("brand_raw") or platform.processor() or platform.machine() or None
+
+
+def cpu_flags() -> list[str]:
+    return sorted(cpu_info().get("flags") or [])
+
+
+def _usable_cpus() -> int | None:
+    """CPUs this process may run on (its affinity), where the OS can say (not macOS)."""
+    try:
+        return len(psutil.Process().cpu_affinity())
+    except (AttributeError, NotImplementedError, psutil.Error, OSError):
+        return None
 
 
 def physical_cores() -> int:
-    """Distinct (package, core) pairs; hyper-threads share a core and its memory path."""
-    pairs, phys = set(), "0"
-    for line in _read("/proc/cpuinfo").splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "physical id":
-            phys = value.strip()
-        elif key == "core id":
-            pairs.add((phys, value.strip()))
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(len(pairs), usable or 1) if pairs else (usable or 1)
+    """Physical cores this process may use; hyper-threads share a core and its memory path.
+    Falls back to logical CPUs where the OS does not report physical cores."""
+    physical = psutil.cpu_count(logical=False)
+    usable = _usable_cpus()
+    counts = [n for n in (physical, usable) if n]
+    return min(counts) if counts else logical_cores()
 
 
 def logical_cores() -> int:
-    return os.cpu_count() or 1
+    return psutil.cpu_count(logical=True) or os.cpu_count() or 1
 
 
-def meminfo_bytes() -> dict[str, int]:
-    """MemTotal and MemAvailable from /proc/meminfo, in bytes."""
-    out = {}
-    for line in _read("/proc/meminfo").splitlines():
-        key, _, value = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
+def memory_bytes() -> dict[str, int | None]:
+    """Total and available RAM in bytes (None where the OS does not tell)."""
+    try:
+        vm = psutil.virtual_memory()
+        return {"total": vm.total, "available": vm.available}
+    except (psutil.Error, OSError, RuntimeError):
+        return {"total": None, "available": None}
 
 
 def available_ram_bytes() -> int | None:
-    return meminfo_bytes().get("MemAvailable")
+    return memory_bytes()["available"]
+
+
+def cpu_freq_mhz() -> dict[str, float] | None:
+    """Current, min and max clock in MHz; None where the OS does not report them (a 0 from
+    psutil means unknown, so it is left out)."""
+    try:
+        freq = psutil.cpu_freq()
+    except (psutil.Error, OSError, NotImplementedError, RuntimeError, FileNotFoundError):
+        return None
+    if freq is None:
+        return None
+    out = {k: v for k, v in freq._asdict().items() if v}
+    return out or None
 
 
 def last_level_cache_bytes() -> int | None:
@@ -66,7 +97,10 @@ def last_level_cache_bytes() -> int | None:
             sizes.append(int(text[:-1]) * 1024)
         elif text.endswith("M"):
             sizes.append(int(text[:-1]) * 1024 * 1024)
-    return max(sizes) if sizes else None
+    if sizes:
+        return max(sizes)
+    info = cpu_info()  # macOS and Windows: no sysfs; py-cpuinfo reads the CPU's own tables
+    return info.get("l3_cache_size") or info.get("l2_cache_size") or None
 
 
 def _version(dist: str) -> str | None:
@@ -103,14 +137,16 @@ def collect_env() -> dict:
     """Everything `harness env` shows and every result embeds."""
     from . import llama  # imported late: it loads llama.cpp's shared library
 
-    mem = meminfo_bytes()
-    return {
+    mem = memory_bytes()
+    env = {
         "hostname": socket.gethostname(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_freq_mhz": cpu_freq_mhz(),
         "physical_cores": physical_cores(),
         "logical_cores": logical_cores(),
-        "ram_total_bytes": mem.get("MemTotal"),
-        "ram_available_bytes": mem.get("MemAvailable"),
+        "ram_total_bytes": mem["total"],
+        "ram_available_bytes": mem["available"],
         "last_level_cache_bytes": last_level_cache_bytes(),
         "os": platform.platform(),
         "python": platform.python_version(),
@@ -118,5 +154,16 @@ def collect_env() -> dict:
         "harness_source": harness_provenance(),
         "gguf": _version("gguf"),
         "numpy": _version("numpy"),
+        "psutil": _version("psutil"),
         "llama": llama.version_info(),
     }
+    return env | {"missing": missing_figures(env)}
+
+
+# What a platform may lack; recorded as missing rather than guessed.
+OPTIONAL_FIGURES = ("cpu_model", "cpu_flags", "cpu_freq_mhz", "ram_total_bytes",
+                    "ram_available_bytes", "last_level_cache_bytes")
+
+
+def missing_figures(env: dict) -> list[str]:
+    return [k for k in OPTIONAL_FIGURES if not env.get(k)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 import threading
 import time
 from collections import deque
@@ -29,7 +30,17 @@ _state = {"ready": False, "n_errors": 0}
 # every node; libc's strlen(data) is a C function that returns nonzero exactly when the first
 # byte of the buffer is set, so the check costs nanoseconds and needs no Python.
 _ABORT_FLAG = ctypes.create_string_buffer(2)
-_ABORT_CALLBACK = ctypes.cast(ctypes.CDLL(None).strlen, L.ggml_abort_callback)
+
+
+def libc_strlen():
+    """The C library's strlen on any OS: the process's own symbols on POSIX (CDLL(None)), the C
+    runtime DLL on Windows, where CDLL(None) fails."""
+    if sys.platform == "win32":
+        return ctypes.cdll.msvcrt.strlen
+    return ctypes.CDLL(None).strlen
+
+
+_ABORT_CALLBACK = ctypes.cast(libc_strlen(), L.ggml_abort_callback)
 DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
 
 

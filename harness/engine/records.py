@@ -59,7 +59,7 @@ def flags(record: dict) -> list[str]:
             out.append(f"unstable-{method}")
     reading = record["noise"]
     during = reading["during_other_cores"]
-    if reading["idle_other_cores"] > noise.NOISY_CORES or (during or 0) > noise.NOISY_CORES:
+    if (reading["idle_other_cores"] or 0) > noise.NOISY_CORES or (during or 0) > noise.NOISY_CORES:
         out.append("noisy")
     if _perf_disagrees(record):
         out.append("perf-mismatch")

@@ -47,7 +47,7 @@ def notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) -> 
                        f"{UNSTABLE_CV:.0%}")
         elif flag == "noisy" and record.get("noise"):
             n = record["noise"]
-            worst = max(n["idle_other_cores"], n.get("during_other_cores") or 0)
+            worst = max(n["idle_other_cores"] or 0, n.get("during_other_cores") or 0)
             out.append(f"⚠ noisy: other processes used {worst:.2f} cores (> {NOISY_CORES})")
         else:
             out.append(f"⚠ {flag}: {FLAG_WORDS.get(flag, flag)}")

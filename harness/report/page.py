@@ -247,12 +247,14 @@ def report_data(records, analysis: dict) -> dict:
 
 def env_lines(env: dict) -> list[str]:
     llama = env.get("llama", {})
-    ram = (env.get("ram_total_bytes") or 0) / GIB
-    return [
+    ram = env.get("ram_total_bytes")
+    freq = env.get("cpu_freq_mhz") or {}
+    clock = f", {freq['current'] / 1000:.2f} GHz" if freq.get("current") else ""
+    out = [
         "| | |", "|---|---|",
-        f"| CPU | {env.get('cpu_model')} ({env.get('physical_cores')} physical / "
-        f"{env.get('logical_cores')} logical cores) |",
-        f"| RAM | {ram:.1f} GiB |",
+        f"| CPU | {env.get('cpu_model') or 'not reported'} ({env.get('physical_cores')} "
+        f"physical / {env.get('logical_cores')} logical cores{clock}) |",
+        f"| RAM | {f'{ram / GIB:.1f} GiB' if ram else 'not reported'} |",
         f"| OS | {env.get('os')} |",
         f"| llama.cpp | commit {llama.get('ggml_commit')} (ggml {llama.get('ggml_version')}), "
         f"llama-cpp-python {llama.get('llama_cpp_python')} |",
@@ -260,6 +262,9 @@ def env_lines(env: dict) -> list[str]:
         f"| Python, gguf, numpy | {env.get('python')}, {env.get('gguf')}, {env.get('numpy')} |",
         f"| harness | {_harness_line(env)} |",
     ]
+    if env.get("missing"):
+        out.append(f"| not reported by this platform | {', '.join(env['missing'])} |")
+    return out
 
 
 def _harness_line(env: dict) -> str:

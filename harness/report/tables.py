@@ -63,14 +63,24 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _bytes_or_missing(n_bytes: int | None, unit: int, name: str) -> str:
+    return f"{n_bytes / unit:.1f} {name}" if n_bytes else "not reported"
+
+
 def render_env(info: dict) -> str:
+    """`harness env`: every figure, and "not reported" where this platform lacks one."""
     llama = info.get("llama", {})
+    freq = info.get("cpu_freq_mhz") or {}
     rows = [
-        ("CPU", info["cpu_model"]),
+        ("CPU", info.get("cpu_model") or "not reported"),
         ("cores", f"{info['physical_cores']} physical, {info['logical_cores']} logical"),
-        ("RAM", f"{(info['ram_total_bytes'] or 0) / GIB:.1f} GiB total, "
-                f"{(info['ram_available_bytes'] or 0) / GIB:.1f} GiB available"),
-        ("last-level cache", f"{(info['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB"),
+        ("clock", ", ".join(f"{k} {v:.0f} MHz" for k, v in freq.items()) or "not reported"),
+        ("CPU flags", f"{len(info.get('cpu_flags') or [])} (py-cpuinfo; `--json` lists them)"
+         if info.get("cpu_flags") else "not reported"),
+        ("RAM", f"{_bytes_or_missing(info.get('ram_total_bytes'), GIB, 'GiB')} total, "
+                f"{_bytes_or_missing(info.get('ram_available_bytes'), GIB, 'GiB')} available"),
+        ("last-level cache", _bytes_or_missing(info.get("last_level_cache_bytes"), 2**20,
+                                               "MiB")),
         ("OS", info["os"]),
         ("Python", info["python"]),
         ("harness", info["harness"]),
@@ -79,6 +89,7 @@ def render_env(info: dict) -> str:
         ("llama.cpp system info", llama.get("system_info")),
         ("gguf", info["gguf"]),
         ("numpy", info["numpy"]),
+        ("psutil", info.get("psutil")),
     ]
     return tabulate(rows, tablefmt="plain")
 
