@@ -244,6 +244,20 @@ def compare(runs: tuple[Path, ...], out: Path | None) -> None:
 
 
 @cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("reports/gallery"), show_default=True,
+              help="Folder for gallery.md and its plot.")
+@click.option("--reference", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Published points to draw beside the runs (e.g. data/reference_points.yaml).")
+def gallery(runs: tuple[Path, ...], out: Path, reference: Path | None) -> None:
+    """One page comparing machines from any runs: run folders, or folders of them."""
+    from .report.files import write_gallery
+
+    click.echo(str(write_gallery(list(runs), out, reference)))
+
+
+@cli.command()
 @click.option("--threads", "thread_list", default=None,
               help="Comma-separated thread counts (default: 1 and the physical cores).")
 @click.option("--size-mib", type=click.IntRange(1, 1 << 20), default=None,

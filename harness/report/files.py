@@ -67,3 +67,35 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     else:
         write_text_atomically(out, render_json(data))
     return out
+
+
+def run_dirs(paths: list[Path]) -> list[Path]:
+    """Run directories under the given paths: a run itself, or a folder of runs (a fleet
+    directory, or result folders people sent in), one level deep."""
+    out = []
+    for p in paths:
+        if (p / RESULTS_FILE).exists() or p.suffix == ".jsonl":
+            out.append(p)
+        elif p.is_dir():
+            out += sorted(d for d in p.iterdir() if (d / RESULTS_FILE).exists())
+    if not out:
+        raise HarnessError("no runs found", source=", ".join(str(p) for p in paths),
+                           fix="pass run directories (with results.jsonl) or folders of them")
+    return out
+
+
+def write_gallery(paths: list[Path], out_dir: Path, reference_file: Path | None) -> Path:
+    """The gallery page of the runs under paths, with its plot, written into out_dir."""
+    from .gallery import gallery_data, load_reference_points, render_gallery, rule_of_thumb_plot
+
+    reference = load_reference_points(reference_file) if reference_file else []
+    runs = []
+    for run in run_dirs(paths):
+        directory, records = load_run(run)
+        runs.append((directory.name, records.header.get("env") or {}, analysis_of(records)))
+    data = gallery_data(runs, reference)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = rule_of_thumb_plot(data, out_dir)
+    out = out_dir / "gallery.md"
+    write_text_atomically(out, render_gallery(data, plot))
+    return out
