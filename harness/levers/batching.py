@@ -17,9 +17,6 @@ from ..render.plotkit import ci_errors, log2_pair, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, group_records, group_rows, median_of, round_ratio, spec_of, threads_label
 
-GIB = 2**30
-
-
 # --- analysis
 
 def batching_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:

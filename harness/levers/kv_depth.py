@@ -16,7 +16,6 @@ from ..render.plotkit import ci_errors, finish, plt
 from ..render.tabular import Column, Table, notes_for
 from .common import Lever, group_records, group_rows, median_of, spec_of
 
-GIB = 2**30
 KV_MEMORY_USERS = (1, 8, 32, 128)
 KV_MEMORY_CONTEXTS = (2048, 8192, 32768, 131072)
 

@@ -11,9 +11,6 @@ from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, median_of
 
-GIB = 2**30
-
-
 # --- analysis
 
 def prefix_rows(measurements: list[dict], models: dict) -> list[dict]:

@@ -12,9 +12,6 @@ from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, group_records, group_rows, round_ratio
 
-GIB = 2**30
-
-
 # --- analysis
 
 def composition(model: dict) -> dict:

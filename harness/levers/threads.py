@@ -12,7 +12,6 @@ from ..render.plotkit import ci_errors, finish, plt
 from ..render.tabular import ABOVE_CEILING_NOTE, Column, Table
 from .common import Lever, group_records, group_rows, median_of, round_ratio, threads_label
 
-GIB = 2**30
 KNEE_TOLERANCE = 0.02  # the knee: the fewest threads within 2% of the best
 
 
