@@ -84,6 +84,8 @@ def test_not_a_yaml_directory(run_cli, tmp_path):
 @pytest.mark.parametrize("config,real", [
     ("qwen2-0.5b-config.json", "qwen2.5-0.5b"),
     ("llama-3.2-1b-config.json", "llama-3.2-1b"),
+    ("qwen3-0.6b-config.json", "qwen3-0.6b"),
+    ("mistral-7b-config.json", "mistral-7b-v0.3"),
 ])
 def test_import_reproduces_the_bundled_spec(run_cli, tmp_path, config, real):
     out = tmp_path / "spec.yaml"

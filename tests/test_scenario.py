@@ -74,7 +74,7 @@ BAD = [
     (BASE + "n_batch: 16\nn_ubatch: 64\n", "n_ubatch", "exceeds n_batch", 6),
     (BASE + "dtypes: [f32, f33]\n", "dtypes[1]", "unknown dtype 'f33'", None),
     (BASE + "dtypes: []\n", "dtypes", "empty list", 5),
-    (BASE.replace("tiny-qwen2", "tiny-qwen3"), "models[0]", "unknown model 'tiny-qwen3'", 2),
+    (BASE.replace("tiny-qwen2", "tiny-qwen9"), "models[0]", "unknown model 'tiny-qwen9'", 2),
     (BASE.replace("tiny-qwen2", "nowhere/x.gguf"), "models[0]", "not found", 2),
     (BASE.replace("generate: 4", "generate: 4000"), "tests[0].prompt",
      "exceeds tiny-qwen2's context length 2,048", 4),

@@ -13,6 +13,11 @@ REAL_PARAMS = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
+    # issue 14's published totals: Qwen3 (q/k norms, head_dim 128) and Mistral 7B v0.3
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "mistral-7b-v0.3": 7_248_023_552,
 }
 
 
@@ -31,7 +36,7 @@ def test_course_f32_sizes():
 def test_bundled_specs_include_tiny_models_of_each_architecture():
     specs = all_specs()
     tiny = [s for s in specs.values() if s.name.startswith("tiny-")]
-    assert {s.architecture for s in tiny} == {"llama", "qwen2"}
+    assert {s.architecture for s in tiny} == {"llama", "qwen2", "qwen3"}
     assert all(s.hidden_size == 64 for s in tiny)
 
 
@@ -100,3 +105,22 @@ def test_unknown_model_lists_known_ones():
         resolve_spec("qwen2.5-0.6b")
     assert "did you mean 'qwen2.5-0.5b'" in info.value.render()
     assert "llama-3.2-1b" in info.value.render()
+
+
+def test_qwen3_norms_q_and_k_per_head_and_has_no_biases():
+    spec = resolve_spec("qwen3-0.6b")
+    shapes = {t.name: t.shape for t in tensor_plan(spec)}
+    assert shapes["blk.0.attn_q.weight"] == (2048, 1024)  # 16 heads × 128, wider than hidden
+    assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.27.attn_k_norm.weight"] == (128,)
+    assert not any(name.endswith(".bias") for name in shapes)
+    assert "output.weight" not in shapes  # tied
+
+
+def test_qwen3_refuses_biases(tmp_path):
+    path = tmp_path / "q3.yaml"
+    path.write_text("architecture: qwen3\nhidden_size: 64\nnum_hidden_layers: 1\n"
+                    "num_attention_heads: 2\nintermediate_size: 64\nvocab_size: 512\n"
+                    "attention_bias: true\n")
+    with pytest.raises(HarnessError) as err:
+        load_spec_file(path)
+    assert "attention_bias" in str(err.value) and "no q/k/v biases" in str(err.value)

@@ -28,11 +28,15 @@ class Arch:
 
     name: str
     qkv_bias: str  # "required", "optional" or "absent"
+    qk_norm: bool = False  # an RMS norm over each head's q and k (head_dim weights each)
 
 
+# llama.cpp's loaders (src/llama-model.cpp): qwen3 reads attn_q_norm and attn_k_norm per layer
+# and no q/k/v biases; Mistral 7B is the llama architecture.
 ARCHS: dict[str, Arch] = {
     "qwen2": Arch("qwen2", qkv_bias="required"),
     "llama": Arch("llama", qkv_bias="optional"),
+    "qwen3": Arch("qwen3", qkv_bias="absent", qk_norm=True),
 }
 
 # Upper bound for dimensions: far above any real dense model, low enough to stop typos like 1e12.
@@ -93,7 +97,7 @@ class TensorPlan:
 
 
 def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
-    """Every tensor llama.cpp's llama/qwen2 loader reads, in file order."""
+    """Every tensor llama.cpp's llama/qwen2/qwen3 loader reads, in file order."""
     e, f, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     plan = [TensorPlan("token_embd.weight", (v, e), "embedding")]
     for i in range(spec.num_hidden_layers):
@@ -105,6 +109,9 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
             TensorPlan(b + "attn_v.weight", (spec.kv_dim, e), "attention"),
             TensorPlan(b + "attn_output.weight", (e, spec.q_dim), "attention"),
         ]
+        if ARCHS[spec.architecture].qk_norm:
+            plan += [TensorPlan(b + "attn_q_norm.weight", (spec.head_dim,), "norm"),
+                     TensorPlan(b + "attn_k_norm.weight", (spec.head_dim,), "norm")]
         if spec.attention_bias:
             plan += [
                 TensorPlan(b + "attn_q.bias", (spec.q_dim,), "bias"),
@@ -171,6 +178,9 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
     if ARCHS[arch].qkv_bias == "required" and not bias:
         raise doc.error(("attention_bias",), f"architecture {arch} needs q/k/v biases",
                         fix="set attention_bias: true or use architecture: llama")
+    if ARCHS[arch].qkv_bias == "absent" and bias:
+        raise doc.error(("attention_bias",), f"llama.cpp's {arch} loader reads no q/k/v biases",
+                        fix="set attention_bias: false")
     name = want_str(doc, ("name",), data.get("name", default_name))
     source = data.get("source")
     return ModelSpec(

@@ -12,7 +12,8 @@ from ..core.specs import spec_from_doc
 from ..core.yamlio import Doc, read_text
 
 # model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
-SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False)}
+SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False),
+             "qwen3": ("qwen3", False)}
 _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_theta",
            "rms_norm_eps", "max_position_embeddings")
