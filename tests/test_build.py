@@ -14,7 +14,7 @@ from harness.engine.build import build, cache_dir, valid_cache_entry
 from harness.engine.llama import Context, ContextParams, Model
 from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes
 
-TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3"]
+TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 
 
 def sha256(path) -> str:

@@ -18,6 +18,9 @@ REAL_PARAMS = {
     "qwen3-1.7b": 1_720_574_976,
     "qwen3-4b": 4_022_468_096,
     "mistral-7b-v0.3": 7_248_023_552,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-3-1b": 999_885_952,
+    "phi-3-mini-4k": 3_821_079_552,
 }
 
 
@@ -36,7 +39,8 @@ def test_course_f32_sizes():
 def test_bundled_specs_include_tiny_models_of_each_architecture():
     specs = all_specs()
     tiny = [s for s in specs.values() if s.name.startswith("tiny-")]
-    assert {s.architecture for s in tiny} == {"llama", "qwen2", "qwen3"}
+    assert {s.architecture for s in tiny} == {"llama", "qwen2", "qwen3", "gemma2", "gemma3",
+                                              "phi3"}
     assert all(s.hidden_size == 64 for s in tiny)
 
 
@@ -124,3 +128,14 @@ def test_qwen3_refuses_biases(tmp_path):
     with pytest.raises(HarnessError) as err:
         load_spec_file(path)
     assert "attention_bias" in str(err.value) and "no q/k/v biases" in str(err.value)
+
+
+def test_gemma_has_four_norms_per_layer_and_phi3_fuses_its_matrices():
+    gemma = {t.name: t.shape for t in tensor_plan(resolve_spec("gemma-3-1b"))}
+    assert {n.split(".", 2)[2] for n in gemma if n.startswith("blk.0.") and "norm" in n} == {
+        "attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+        "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight"}
+    phi = {t.name: t.shape for t in tensor_plan(resolve_spec("phi-3-mini-4k"))}
+    assert phi["blk.0.attn_qkv.weight"] == (3 * 3072, 3072)
+    assert phi["blk.0.ffn_up.weight"] == (2 * 8192, 3072) and "blk.0.ffn_gate.weight" not in phi
+    assert resolve_spec("gemma-2-2b").attn_logit_softcapping == 50.0

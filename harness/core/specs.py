@@ -29,15 +29,24 @@ class Arch:
     name: str
     qkv_bias: str  # "required", "optional" or "absent"
     qk_norm: bool = False  # an RMS norm over each head's q and k (head_dim weights each)
+    post_norms: bool = False  # Gemma 2/3: norms after attention and after the FFN too
+    fused: bool = False  # Phi-3: one attn_qkv matrix, gate and up fused in ffn_up
 
 
 # llama.cpp's loaders (src/llama-model.cpp): qwen3 reads attn_q_norm and attn_k_norm per layer
-# and no q/k/v biases; Mistral 7B is the llama architecture.
+# and no q/k/v biases; gemma2 four norms per layer (post_attention_norm, post_ffw_norm), gemma3
+# those and q/k norms; phi3 attn_qkv and an ffn_up of twice the FFN width, no ffn_gate.
+# Mistral 7B is the llama architecture.
 ARCHS: dict[str, Arch] = {
     "qwen2": Arch("qwen2", qkv_bias="required"),
     "llama": Arch("llama", qkv_bias="optional"),
     "qwen3": Arch("qwen3", qkv_bias="absent", qk_norm=True),
+    "gemma2": Arch("gemma2", qkv_bias="absent", post_norms=True),
+    "gemma3": Arch("gemma3", qkv_bias="absent", qk_norm=True, post_norms=True),
+    "phi3": Arch("phi3", qkv_bias="absent", fused=True),
 }
+
+OPTIONAL_HPARAMS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
 
 # Upper bound for dimensions: far above any real dense model, low enough to stop typos like 1e12.
 MAX_DIM = 1 << 20
@@ -62,6 +71,10 @@ class ModelSpec:
     attention_bias: bool
     head_dim: int
     source: str | None = None
+    # Gemma's attention hyper-parameters (written to the GGUF where set; no effect on shapes)
+    sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def q_dim(self) -> int:
@@ -73,11 +86,14 @@ class ModelSpec:
 
     def content_hash(self) -> str:
         """SHA-256 of the spec's canonical JSON: the cache key's spec part."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, without optional hyper-parameters left unset (so specs written before
+        those existed keep their hash, their cache key and their stored form)."""
+        return {k: v for k, v in asdict(self).items()
+                if v is not None or k not in OPTIONAL_HPARAMS}
 
 
 @dataclass(frozen=True)
@@ -97,19 +113,22 @@ class TensorPlan:
 
 
 def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
-    """Every tensor llama.cpp's llama/qwen2/qwen3 loader reads, in file order."""
-    e, f, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    """Every tensor llama.cpp's loader reads for the spec's architecture, in file order."""
+    e, v = spec.hidden_size, spec.vocab_size
     plan = [TensorPlan("token_embd.weight", (v, e), "embedding")]
+    arch = ARCHS[spec.architecture]
     for i in range(spec.num_hidden_layers):
         b = f"blk.{i}."
-        plan += [
-            TensorPlan(b + "attn_norm.weight", (e,), "norm"),
-            TensorPlan(b + "attn_q.weight", (spec.q_dim, e), "attention"),
-            TensorPlan(b + "attn_k.weight", (spec.kv_dim, e), "attention"),
-            TensorPlan(b + "attn_v.weight", (spec.kv_dim, e), "attention"),
-            TensorPlan(b + "attn_output.weight", (e, spec.q_dim), "attention"),
-        ]
-        if ARCHS[spec.architecture].qk_norm:
+        plan.append(TensorPlan(b + "attn_norm.weight", (e,), "norm"))
+        if arch.fused:
+            plan.append(TensorPlan(b + "attn_qkv.weight", (spec.q_dim + 2 * spec.kv_dim, e),
+                                   "attention"))
+        else:
+            plan += [TensorPlan(b + "attn_q.weight", (spec.q_dim, e), "attention"),
+                     TensorPlan(b + "attn_k.weight", (spec.kv_dim, e), "attention"),
+                     TensorPlan(b + "attn_v.weight", (spec.kv_dim, e), "attention")]
+        plan.append(TensorPlan(b + "attn_output.weight", (e, spec.q_dim), "attention"))
+        if arch.qk_norm:
             plan += [TensorPlan(b + "attn_q_norm.weight", (spec.head_dim,), "norm"),
                      TensorPlan(b + "attn_k_norm.weight", (spec.head_dim,), "norm")]
         if spec.attention_bias:
@@ -118,16 +137,22 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
                 TensorPlan(b + "attn_k.bias", (spec.kv_dim,), "bias"),
                 TensorPlan(b + "attn_v.bias", (spec.kv_dim,), "bias"),
             ]
-        plan += [
-            TensorPlan(b + "ffn_norm.weight", (e,), "norm"),
-            TensorPlan(b + "ffn_gate.weight", (f, e), "ffn"),
-            TensorPlan(b + "ffn_up.weight", (f, e), "ffn"),
-            TensorPlan(b + "ffn_down.weight", (e, f), "ffn"),
-        ]
+        plan += _ffn_plan(b, spec, arch)
     plan.append(TensorPlan("output_norm.weight", (e,), "norm"))
     if not spec.tie_word_embeddings:
         plan.append(TensorPlan("output.weight", (v, e), "output"))
     return plan
+
+
+def _ffn_plan(b: str, spec: ModelSpec, arch: Arch) -> list[TensorPlan]:
+    e, f = spec.hidden_size, spec.intermediate_size
+    post = [TensorPlan(b + "post_attention_norm.weight", (e,), "norm")] if arch.post_norms else []
+    post_ffn = [TensorPlan(b + "post_ffw_norm.weight", (e,), "norm")] if arch.post_norms else []
+    gate_up = ([TensorPlan(b + "ffn_up.weight", (2 * f, e), "ffn")] if arch.fused else
+               [TensorPlan(b + "ffn_gate.weight", (f, e), "ffn"),
+                TensorPlan(b + "ffn_up.weight", (f, e), "ffn")])
+    return [*post, TensorPlan(b + "ffn_norm.weight", (e,), "norm"), *gate_up,
+            TensorPlan(b + "ffn_down.weight", (e, f), "ffn"), *post_ffn]
 
 
 def n_params(spec: ModelSpec) -> int:
@@ -142,8 +167,9 @@ _INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_k
 _KNOWN_KEYS = [f.name for f in fields(ModelSpec)]
 _REQUIRED = ("architecture", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "intermediate_size", "vocab_size")
-# The synthetic tokenizer needs 3 special tokens and 256 byte tokens.
-MIN_VOCAB = 259 + 1
+# The synthetic tokenizer needs 3 special tokens, 256 byte tokens and up to 5 more that an
+# architecture's vocabulary loader looks up by name (phi3's chat tokens).
+MIN_VOCAB = 259 + 5 + 1
 
 
 def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
@@ -183,6 +209,7 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
                         fix="set attention_bias: false")
     name = want_str(doc, ("name",), data.get("name", default_name))
     source = data.get("source")
+    extras = _gemma_fields(doc, data)
     return ModelSpec(
         name=name, architecture=arch, attention_bias=bias,
         tie_word_embeddings=want_bool(doc, ("tie_word_embeddings",),
@@ -192,8 +219,20 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
         rms_norm_eps=want_float(doc, ("rms_norm_eps",), data.get("rms_norm_eps", 1e-6),
                                 minimum=0.0, maximum=1.0, exclusive_min=True),
         source=None if source is None else want_str(doc, ("source",), source),
-        **ints,
+        **ints, **extras,
     )
+
+
+def _gemma_fields(doc: Doc, data: dict) -> dict:
+    """The optional attention hyper-parameters, validated where given."""
+    out: dict = {}
+    if data.get("sliding_window") is not None:
+        out["sliding_window"] = want_int(doc, ("sliding_window",), data["sliding_window"],
+                                         minimum=1, maximum=1 << 24)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if data.get(key) is not None:
+            out[key] = want_float(doc, (key,), data[key], minimum=0.0, exclusive_min=True)
+    return out
 
 
 def load_spec_file(path: Path | str) -> ModelSpec:

@@ -192,7 +192,13 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
     w.add_vocab_size(spec.vocab_size)
-    _add_tokenizer(w, spec.vocab_size)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
+    if spec.attn_logit_softcapping:
+        w.add_attn_logit_softcapping(spec.attn_logit_softcapping)
+    if spec.final_logit_softcapping:
+        w.add_final_logit_softcapping(spec.final_logit_softcapping)
+    _add_tokenizer(w, spec.vocab_size, ARCH_TOKENS.get(spec.architecture, ()))
     w.add_string("harness.version", __version__)
     w.add_uint32("harness.builder_version", BUILDER_VERSION)
     w.add_uint64("harness.seed", seed)
@@ -200,10 +206,16 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     return w
 
 
-def _add_tokenizer(w: GGUFWriter, vocab_size: int) -> None:
+# Special tokens llama.cpp's vocabulary loader looks up by text for an architecture.
+ARCH_TOKENS = {"phi3": ("<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>",
+                        "<|system|>")}
+
+
+def _add_tokenizer(w: GGUFWriter, vocab_size: int, special: tuple[str, ...] = ()) -> None:
     """A SentencePiece-style vocabulary of exactly vocab_size unique tokens."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(special)
+    types = ([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+             + [TokenType.CONTROL] * len(special))
     rest = vocab_size - len(tokens)
     tokens += [f"tok{i}" for i in range(len(tokens), vocab_size)]
     types += [TokenType.NORMAL] * rest

@@ -13,10 +13,12 @@ from ..core.yamlio import Doc, read_text
 
 # model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
 SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False),
-             "qwen3": ("qwen3", False)}
+             "qwen3": ("qwen3", False), "gemma2": ("gemma2", False),
+             "gemma3_text": ("gemma3", False), "phi3": ("phi3", False)}
 _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_theta",
-           "rms_norm_eps", "max_position_embeddings")
+           "rms_norm_eps", "max_position_embeddings", "sliding_window",
+           "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def spec_dict_from_config(config: dict, name: str, source: str | None, origin: str) -> dict:
