@@ -133,3 +133,20 @@ def test_check_lists_the_plan_without_running(run_cli, tmp_path):
     assert len(lines) == 20 and "tg8@d64 kv=q8_0" in r.stdout and "pp8" in r.stdout
     assert "20 measurements of 2 model file(s)" in r.stderr and "still to build. OK." in r.stderr
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.gguf"))
+
+
+def test_import_maps_gemma3_text_and_keeps_its_window_but_not_qwen2s(run_cli, tmp_path):
+    config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+              "intermediate_size": 128, "vocab_size": 512, "sliding_window": 32,
+              "tie_word_embeddings": True}
+    src = tmp_path / "config.json"
+    src.write_text(json.dumps(config))
+    out = tmp_path / "g.yaml"
+    assert run_cli("models", "import", str(src), "-o", str(out)).exit_code == 0
+    spec = load_spec_file(out)
+    assert spec.architecture == "gemma3" and spec.sliding_window == 32
+    out2 = tmp_path / "q.yaml"
+    assert run_cli("models", "import", str(HF / "qwen2-0.5b-config.json"), "-o", str(out2)
+                   ).exit_code == 0
+    assert load_spec_file(out2).sliding_window is None  # Qwen2 does not use its window

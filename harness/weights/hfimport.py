@@ -17,8 +17,11 @@ SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("l
              "gemma3_text": ("gemma3", False), "phi3": ("phi3", False)}
 _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_theta",
-           "rms_norm_eps", "max_position_embeddings", "sliding_window",
-           "attn_logit_softcapping", "final_logit_softcapping")
+           "rms_norm_eps", "max_position_embeddings")
+# Attention hyper-parameters llama.cpp reads only for these architectures (Qwen2's configs carry
+# a sliding_window they do not use: use_sliding_window is false).
+_WINDOWED = {"gemma2", "gemma3", "phi3"}
+_WINDOW_KEYS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def spec_dict_from_config(config: dict, name: str, source: str | None, origin: str) -> dict:
@@ -29,7 +32,7 @@ def spec_dict_from_config(config: dict, name: str, source: str | None, origin: s
                            key="model_type", fix="supported: " + ", ".join(SUPPORTED))
     arch, default_bias = SUPPORTED[model_type]
     spec = {"name": name, "source": source, "architecture": arch}
-    for key in _COPIED:
+    for key in _COPIED + (_WINDOW_KEYS if arch in _WINDOWED else ()):
         if config.get(key) is not None:
             spec[key] = config[key]
     spec["attention_bias"] = bool(config.get("attention_bias", default_bias))
