@@ -175,20 +175,14 @@ def size_rows(rows: list[dict], threads: int) -> tuple[list[dict], str | None]:
     """The decode rows that compare model sizes at a thread count, one per model: the weight
     type with the most models (two at least), each model's longest decode; with no such type
     (one model in several types, a quantization sweep), one row per model and type."""
-    group = [r for r in rows if r["threads"] == threads]
+    group = [r for r in longest_decodes(rows) if r["threads"] == threads]
     by_dtype: dict[str, set] = {}
     for r in group:
         by_dtype.setdefault(r["dtype"], set()).add(r["model"])
     dtype = max(by_dtype, key=lambda d: (len(by_dtype[d]), d == "f32"), default=None)
     if dtype is None or len(by_dtype[dtype]) < 2:
-        dtype = None
-    chosen: dict[tuple, dict] = {}
-    for r in group:
-        key = (r["model"], r["dtype"])
-        if (dtype is None or r["dtype"] == dtype) and (
-                key not in chosen or r["n_gen"] > chosen[key]["n_gen"]):
-            chosen[key] = r
-    return list(chosen.values()), dtype
+        return group, None
+    return [r for r in group if r["dtype"] == dtype], dtype
 
 
 def fit_verdicts(rows: list[dict]) -> list[dict]:
