@@ -80,7 +80,7 @@ def cpu_freq_mhz() -> dict[str, float] | None:
     psutil means unknown, so it is left out)."""
     try:
         freq = psutil.cpu_freq()
-    except (psutil.Error, OSError, NotImplementedError, RuntimeError, FileNotFoundError):
+    except (psutil.Error, OSError, NotImplementedError, RuntimeError):
         return None
     if freq is None:
         return None
