@@ -11,8 +11,10 @@ from pathlib import Path
 
 from . import __version__
 from .core.costs import (
+    active_expert_fraction,
     decode_n_bytes_by_type,
     decode_weight_n_bytes,
+    expert_n_bytes,
     kv_n_bytes_per_token,
     matmul_n_params_by_type,
     weights_n_bytes,
@@ -452,6 +454,7 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
     info = model.info()
     table = tensor_table(path)
     spec = _spec_of(ref)
+    active = active_expert_fraction(spec)
     types: dict[str, int] = {}
     type_params: dict[str, int] = {}
     for t in table:
@@ -462,9 +465,10 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
         "file_n_bytes": path.stat().st_size, "sha256": file_sha256(path),
         "n_params": info.n_params, "model_n_bytes": info.n_bytes, "description": info.description,
         "weights_n_bytes": weights_n_bytes(table),
-        "decode_weight_n_bytes": decode_weight_n_bytes(table),
-        "decode_type_n_bytes": decode_n_bytes_by_type(table),
-        "matmul_type_n_params": matmul_n_params_by_type(table),
+        "decode_weight_n_bytes": decode_weight_n_bytes(table, active),
+        "decode_type_n_bytes": decode_n_bytes_by_type(table, active),
+        "matmul_type_n_params": matmul_n_params_by_type(table, active),
+        "expert_n_bytes": expert_n_bytes(table),
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(),

@@ -14,7 +14,8 @@ from harness.engine.build import build, cache_dir, valid_cache_entry
 from harness.engine.llama import Context, ContextParams, Model
 from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes
 
-TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
+        "tiny-mixtral", "tiny-granitemoe", "tiny-olmoe", "tiny-qwen2moe", "tiny-qwen3moe"]
 
 
 def sha256(path) -> str:

@@ -3,7 +3,14 @@ from pathlib import Path
 import pytest
 
 from harness.core.errors import HarnessError
-from harness.core.specs import all_specs, load_spec_file, n_params, resolve_spec, tensor_plan
+from harness.core.specs import (
+    all_specs,
+    load_spec_file,
+    n_active_params,
+    n_params,
+    resolve_spec,
+    tensor_plan,
+)
 
 REAL_PARAMS = {
     "qwen2.5-0.5b": 494_032_768,
@@ -21,12 +28,75 @@ REAL_PARAMS = {
     "gemma-2-2b": 2_614_341_888,
     "gemma-3-1b": 999_885_952,
     "phi-3-mini-4k": 3_821_079_552,
+    # mixtures of experts: total (every expert) and active (k experts) below
+    "granite-3.0-1b-a400m": 1_334_625_280,
+    "olmoe-1b-7b": 6_919_161_856,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
+}
+ACTIVE_PARAMS = {
+    "granite-3.0-1b-a400m": 428_655_616,
+    "olmoe-1b-7b": 1_282_017_280,
+    "qwen1.5-moe-a2.7b": 2_689_173_504,
+    "qwen3-30b-a3b": 3_353_032_704,
+    "mixtral-8x7b": 12_879_925_248,
 }
 
 
 @pytest.mark.parametrize("name,expected", REAL_PARAMS.items())
 def test_real_parameter_counts(name, expected):
     assert n_params(resolve_spec(name)) == expected
+
+
+@pytest.mark.parametrize("name,expected", ACTIVE_PARAMS.items())
+def test_real_active_parameter_counts(name, expected):
+    assert n_active_params(resolve_spec(name)) == expected
+
+
+def test_dense_models_use_every_parameter():
+    spec = resolve_spec("qwen3-4b")
+    assert n_active_params(spec) == n_params(spec) and not spec.is_moe
+
+
+def test_moe_tensors_are_3d_experts_a_router_and_a_shared_expert():
+    spec = resolve_spec("qwen1.5-moe-a2.7b")
+    plan = {t.name: t for t in tensor_plan(spec)}
+    assert plan["blk.0.ffn_gate_inp.weight"].shape == (60, 2048)
+    assert plan["blk.0.ffn_up_exps.weight"].shape == (60, 1408, 2048)
+    assert plan["blk.0.ffn_down_exps.weight"].shape == (60, 2048, 1408)
+    assert plan["blk.0.ffn_gate_inp_shexp.weight"].shape == (2048,)
+    assert plan["blk.0.ffn_down_shexp.weight"].shape == (2048, 5632)
+    assert plan["blk.0.ffn_up_exps.weight"].role == "expert"
+    assert "blk.0.ffn_up.weight" not in plan
+    olmoe = {t.name: t.shape for t in tensor_plan(resolve_spec("olmoe-1b-7b"))}
+    assert olmoe["blk.0.attn_q_norm.weight"] == (2048,)  # full width, not per head
+
+
+MOE_BAD = [
+    ("tiny-qwen3moe", "num_experts_per_tok: 9", "num_experts_per_tok", "exceed the 8 experts"),
+    ("tiny-qwen3moe", "moe_intermediate_size: 0", "moe_intermediate_size", "too small"),
+    ("tiny-qwen3moe", "num_experts: null", "num_experts", "is a mixture of experts"),
+    ("tiny-qwen3", "num_experts: 4", "num_experts", "reads no experts"),
+    ("tiny-qwen2moe", "shared_expert_intermediate_size: null",
+     "shared_expert_intermediate_size", "needs a shared expert"),
+    ("tiny-qwen3moe", "shared_expert_intermediate_size: 64",
+     "shared_expert_intermediate_size", "reads no shared expert"),
+    ("tiny-llama", "logits_scaling: 6.0", "logits_scaling", "granitemoe"),
+    ("tiny-llama", "architecture: deepseek2", "architecture", "granitemoe"),
+]
+
+
+@pytest.mark.parametrize("base,line,key,words", MOE_BAD)
+def test_bad_moe_specs_name_file_key_and_fix(tmp_path, base, line, key, words):
+    src = Path(__file__).resolve().parent.parent / "models" / f"{base}.yaml"
+    kept = [x for x in src.read_text().splitlines() if not x.startswith(line.split(":")[0] + ":")]
+    p = tmp_path / "bad.yaml"
+    p.write_text("\n".join(kept + [line]) + "\n")
+    with pytest.raises(HarnessError) as info:
+        load_spec_file(p)
+    message = info.value.render()
+    assert str(p) in message and key in message and words in message
 
 
 def test_course_f32_sizes():
@@ -40,7 +110,9 @@ def test_bundled_specs_include_tiny_models_of_each_architecture():
     specs = all_specs()
     tiny = [s for s in specs.values() if s.name.startswith("tiny-")]
     assert {s.architecture for s in tiny} == {"llama", "qwen2", "qwen3", "gemma2", "gemma3",
-                                              "phi3"}
+                                              "phi3", "granitemoe", "olmoe", "qwen2moe",
+                                              "qwen3moe"}
+    assert any(s.is_moe and s.architecture == "llama" for s in tiny)  # Mixtral's form
     assert all(s.hidden_size == 64 for s in tiny)
 
 

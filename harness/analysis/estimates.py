@@ -68,8 +68,13 @@ def estimate_bytes(table: dict[str, dict[str, float]], models: dict) -> list[dic
     return out
 
 
+def moe_names(specs: dict[str, ModelSpec]) -> list[str]:
+    """The real specs that are mixtures of experts (their estimates use active bytes)."""
+    return sorted(name for name, spec in specs.items() if spec.source and spec.is_moe)
+
+
 def predictions(fits: list[dict], decode: list[dict], models: dict,
-                table: dict[str, dict[str, float]]) -> dict:
+                table: dict[str, dict[str, float]], moe: list[str] | None = None) -> dict:
     """Estimated decode tok/s: every spec on this machine (the fitted bandwidth ÷ its bytes)
     and on reference hardware (spec-sheet bandwidth × its class's band ÷ its bytes)."""
     fit = next((f["fit"] for f in reversed(fits) if f.get("fit")), None)
@@ -88,6 +93,7 @@ def predictions(fits: list[dict], decode: list[dict], models: dict,
                      "tok_s_low": bw * low * 1e9 / r["bytes_per_token"],
                      "tok_s_high": bw * high * 1e9 / r["bytes_per_token"]} for r in rows]
     return {"estimate": True, "gb_s": gb_s, "gb_s_from": source, "this_machine": this,
+            "moe_models": list(moe or []),
             "reference": ref, "bands": {k: list(v) for k, v in BANDS.items()},
             "share_of_read": sorted(shares)[len(shares) // 2] if shares else None}
 

@@ -78,6 +78,7 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "tok_s": tok,
             "bytes_per_token": n_bytes, "file_bytes_per_token": model["weights_n_bytes"],
+            "moe": bool(model.get("expert_n_bytes")),
             "effective_gb_s": effective, "stream_ceiling": stream, "read_ceiling": read,
             "copy_ceiling": copy,
             "share_of_stream": share,

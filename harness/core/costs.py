@@ -6,10 +6,25 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .specs import ModelSpec
+from .specs import ModelSpec, tensor_plan
 
 TOKEN_EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
+EXPERT_SUFFIX = "_exps.weight"  # ffn_{gate,up,down}_exps: E experts stacked in one 3-D tensor
+
+
+def is_expert(name: str) -> bool:
+    """A routed-experts tensor (a shared expert, *_shexp, is read by every token)."""
+    return name.endswith(EXPERT_SUFFIX)
+
+
+def expert_union_fraction(n_experts: int, n_used: int, n_sequences: int = 1) -> float:
+    """Expected share of a layer's experts that one step of n_sequences tokens reads, each
+    token routed to n_used of n_experts uniformly at random: a given expert is missed by one
+    token with probability 1 - k/E, by all B with (1 - k/E)^B, so E(1 - (1 - k/E)^B) experts
+    are read. Uniform routing is what random router weights give; trained routers are skewed
+    (some experts hot), which reads fewer distinct experts at B > 1."""
+    return 1 - (1 - n_used / n_experts) ** n_sequences
 
 
 @dataclass(frozen=True)
@@ -38,35 +53,63 @@ def weights_n_bytes(table: list[TensorEntry]) -> int:
     return sum(t.n_bytes for t in table)
 
 
-def decode_weight_n_bytes(table: list[TensorEntry]) -> int:
+def expert_n_bytes(table: list[TensorEntry]) -> int:
+    """Bytes of every routed expert in the file."""
+    return sum(t.n_bytes for t in table if is_expert(t.name))
+
+
+def decode_weight_n_bytes(table: list[TensorEntry], expert_fraction: float = 1.0) -> int:
     """Weight bytes one decode step reads (see decode_n_bytes_by_type)."""
-    return sum(decode_n_bytes_by_type(table).values())
+    return sum(decode_n_bytes_by_type(table, expert_fraction).values())
 
 
-def decode_n_bytes_by_type(table: list[TensorEntry]) -> dict[str, int]:
+def decode_n_bytes_by_type(table: list[TensorEntry],
+                           expert_fraction: float = 1.0) -> dict[str, int]:
     """Weight bytes one decode step reads, per tensor type (lower-case ggml names).
 
     Every matrix is multiplied by the new token's vector, so it is read whole, except the token
     embedding: a lookup of one row (get_rows in llama.cpp), unless there is no output.weight and
-    the output layer reuses the embedding (tied), which then is read whole as the LM head.
+    the output layer reuses the embedding (tied), which then is read whole as the LM head; and
+    the routed experts, of which ggml's mul_mat_id reads only the chosen ones: expert_fraction
+    of them (k/E for one token, expert_union_fraction for several).
     """
     names = {t.name for t in table}
     out: dict[str, int] = {}
     for t in table:
         n = t.n_bytes // max(t.n_rows, 1) if (t.name == TOKEN_EMBEDDING
                                                and OUTPUT in names) else t.n_bytes
+        if is_expert(t.name):
+            n = round(n * expert_fraction)
         out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + n
     return out
 
 
-def matmul_n_params_by_type(table: list[TensorEntry]) -> dict[str, int]:
+def matmul_n_params_by_type(table: list[TensorEntry],
+                            expert_fraction: float = 1.0) -> dict[str, int]:
     """Parameters of the block matrices every prompt token is multiplied by, per tensor type
-    (the token embedding is a lookup, the output layer runs for the last token only)."""
+    (the token embedding is a lookup, the output layer runs for the last token only; a token
+    is multiplied by its k of E experts: expert_fraction k/E of the expert tensors)."""
     out: dict[str, int] = {}
     for t in table:
         if len(t.shape) >= 2 and t.name not in (TOKEN_EMBEDDING, OUTPUT):
-            out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + t.n_elements
+            n = round(t.n_elements * expert_fraction) if is_expert(t.name) else t.n_elements
+            out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + n
     return out
+
+
+def active_expert_fraction(spec: ModelSpec) -> float:
+    """k/E: the share of the routed experts one token uses (1 for a dense model)."""
+    return spec.num_experts_per_tok / spec.num_experts if spec.is_moe else 1.0
+
+
+def step_weight_n_bytes(active_n_bytes: float, all_experts_n_bytes: float, spec: ModelSpec,
+                        n_sequences: int) -> float:
+    """Weight bytes one decode step of n_sequences tokens reads: everything outside the routed
+    experts once, and the expected union of the tokens' experts (expert_union_fraction)."""
+    if not spec.is_moe or not all_experts_n_bytes:
+        return active_n_bytes
+    union = expert_union_fraction(spec.num_experts, spec.num_experts_per_tok, n_sequences)
+    return active_n_bytes + all_experts_n_bytes * (union - active_expert_fraction(spec))
 
 
 def kv_type_bytes_per_element(type_name: str) -> float:
@@ -91,10 +134,12 @@ def decode_n_bytes_per_token(weight_n_bytes: float, kv_n_bytes_per_token: float,
 
 
 def matmul_params_per_token(spec: ModelSpec) -> int:
-    """Weights every prompt token is multiplied by: the blocks' q, k, v, o, gate, up, down."""
-    e, f = spec.hidden_size, spec.intermediate_size
-    per_layer = e * spec.q_dim + 2 * e * spec.kv_dim + spec.q_dim * e + 3 * e * f
-    return spec.num_hidden_layers * per_layer
+    """Weights every prompt token is multiplied by: the blocks' q, k, v, o, gate, up, down
+    (for a mixture of experts the router, the shared expert and k of the E experts)."""
+    fraction = active_expert_fraction(spec)
+    return sum(round(t.n_elements * fraction) if t.role == "expert" else t.n_elements
+               for t in tensor_plan(spec)
+               if len(t.shape) >= 2 and t.name not in (TOKEN_EMBEDDING, OUTPUT))
 
 
 def prefill_flops(spec: ModelSpec, n_prompt: int) -> float:

@@ -31,22 +31,41 @@ class Arch:
     qk_norm: bool = False  # an RMS norm over each head's q and k (head_dim weights each)
     post_norms: bool = False  # Gemma 2/3: norms after attention and after the FFN too
     fused: bool = False  # Phi-3: one attn_qkv matrix, gate and up fused in ffn_up
+    qk_norm_full: bool = False  # OLMoE: q and k normed over their full width, not per head
+    experts: str = "absent"  # "required", "optional" (llama: Mixtral) or "absent"
+    shared_expert: bool = False  # Qwen2-MoE: one always-on expert with its own sigmoid gate
+    multipliers: bool = False  # Granite: embedding, residual, attention and logit scales
+    expert_ff_key: bool = False  # expert width from expert_feed_forward_length (else n_ff)
 
 
 # llama.cpp's loaders (src/llama-model.cpp): qwen3 reads attn_q_norm and attn_k_norm per layer
 # and no q/k/v biases; gemma2 four norms per layer (post_attention_norm, post_ffw_norm), gemma3
 # those and q/k norms; phi3 attn_qkv and an ffn_up of twice the FFN width, no ffn_gate.
-# Mistral 7B is the llama architecture.
+# Mistral 7B is the llama architecture. The MoE loaders read a router ffn_gate_inp {n_embd,
+# n_expert} and 3-D ffn_{gate,up,down}_exps per layer (Mixtral is llama with experts; granitemoe
+# goes through the llama loader plus Granite's four scales; olmoe norms q and k over n_embd;
+# qwen2moe adds q/k/v biases and a shared expert with ffn_gate_inp_shexp {n_embd}).
 ARCHS: dict[str, Arch] = {
     "qwen2": Arch("qwen2", qkv_bias="required"),
-    "llama": Arch("llama", qkv_bias="optional"),
+    "llama": Arch("llama", qkv_bias="optional", experts="optional"),
     "qwen3": Arch("qwen3", qkv_bias="absent", qk_norm=True),
     "gemma2": Arch("gemma2", qkv_bias="absent", post_norms=True),
     "gemma3": Arch("gemma3", qkv_bias="absent", qk_norm=True, post_norms=True),
     "phi3": Arch("phi3", qkv_bias="absent", fused=True),
+    "granitemoe": Arch("granitemoe", qkv_bias="absent", experts="required", multipliers=True),
+    "olmoe": Arch("olmoe", qkv_bias="absent", qk_norm_full=True, experts="required"),
+    "qwen2moe": Arch("qwen2moe", qkv_bias="required", experts="required", shared_expert=True,
+                     expert_ff_key=True),
+    "qwen3moe": Arch("qwen3moe", qkv_bias="absent", qk_norm=True, experts="required",
+                     expert_ff_key=True),
 }
 
-OPTIONAL_HPARAMS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+               "logits_scaling")
+OPTIONAL_HPARAMS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+                    *MOE_FIELDS, *MULTIPLIERS)
 
 # Upper bound for dimensions: far above any real dense model, low enough to stop typos like 1e12.
 MAX_DIM = 1 << 20
@@ -75,6 +94,25 @@ class ModelSpec:
     sliding_window: int | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts: E experts of width moe_intermediate_size (intermediate_size where
+    # unset, as Mixtral, OLMoE and Granite configs give it), k of them per token
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    # Granite's scales (HF names; llama.cpp's embedding/residual/attention/logit scale)
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def q_dim(self) -> int:
@@ -102,7 +140,7 @@ class TensorPlan:
 
     name: str
     shape: tuple[int, ...]
-    role: str  # embedding, output, attention, ffn, norm, bias
+    role: str  # embedding, output, attention, ffn, norm, bias, router, expert, shared
 
     @property
     def n_elements(self) -> int:
@@ -128,16 +166,18 @@ def tensor_plan(spec: ModelSpec) -> list[TensorPlan]:
                      TensorPlan(b + "attn_k.weight", (spec.kv_dim, e), "attention"),
                      TensorPlan(b + "attn_v.weight", (spec.kv_dim, e), "attention")]
         plan.append(TensorPlan(b + "attn_output.weight", (e, spec.q_dim), "attention"))
-        if arch.qk_norm:
-            plan += [TensorPlan(b + "attn_q_norm.weight", (spec.head_dim,), "norm"),
-                     TensorPlan(b + "attn_k_norm.weight", (spec.head_dim,), "norm")]
+        if arch.qk_norm or arch.qk_norm_full:
+            q_n, k_n = ((spec.q_dim, spec.kv_dim) if arch.qk_norm_full
+                        else (spec.head_dim, spec.head_dim))
+            plan += [TensorPlan(b + "attn_q_norm.weight", (q_n,), "norm"),
+                     TensorPlan(b + "attn_k_norm.weight", (k_n,), "norm")]
         if spec.attention_bias:
             plan += [
                 TensorPlan(b + "attn_q.bias", (spec.q_dim,), "bias"),
                 TensorPlan(b + "attn_k.bias", (spec.kv_dim,), "bias"),
                 TensorPlan(b + "attn_v.bias", (spec.kv_dim,), "bias"),
             ]
-        plan += _ffn_plan(b, spec, arch)
+        plan += _moe_plan(b, spec) if spec.is_moe else _ffn_plan(b, spec, arch)
     plan.append(TensorPlan("output_norm.weight", (e,), "norm"))
     if not spec.tie_word_embeddings:
         plan.append(TensorPlan("output.weight", (v, e), "output"))
@@ -155,9 +195,37 @@ def _ffn_plan(b: str, spec: ModelSpec, arch: Arch) -> list[TensorPlan]:
             TensorPlan(b + "ffn_down.weight", (e, f), "ffn"), *post_ffn]
 
 
+def _moe_plan(b: str, spec: ModelSpec) -> list[TensorPlan]:
+    """Router, the experts as 3-D tensors (ggml's mul_mat_id picks rows of the chosen ones)
+    and Qwen2-MoE's shared expert with its one-row sigmoid gate."""
+    e, f, n = spec.hidden_size, spec.expert_width, spec.num_experts
+    plan = [TensorPlan(b + "ffn_norm.weight", (e,), "norm"),
+            TensorPlan(b + "ffn_gate_inp.weight", (n, e), "router"),
+            TensorPlan(b + "ffn_gate_exps.weight", (n, f, e), "expert"),
+            TensorPlan(b + "ffn_up_exps.weight", (n, f, e), "expert"),
+            TensorPlan(b + "ffn_down_exps.weight", (n, e, f), "expert")]
+    if spec.shared_expert_intermediate_size:
+        s = spec.shared_expert_intermediate_size
+        plan += [TensorPlan(b + "ffn_gate_inp_shexp.weight", (e,), "shared"),
+                 TensorPlan(b + "ffn_gate_shexp.weight", (s, e), "shared"),
+                 TensorPlan(b + "ffn_up_shexp.weight", (s, e), "shared"),
+                 TensorPlan(b + "ffn_down_shexp.weight", (e, s), "shared")]
+    return plan
+
+
 def n_params(spec: ModelSpec) -> int:
     """Parameter count as Hugging Face reports it: every tensor once (a tied one once)."""
     return sum(t.n_elements for t in tensor_plan(spec))
+
+
+def n_active_params(spec: ModelSpec) -> int:
+    """Parameters one token uses, as MoE model cards count them: everything outside the
+    experts (embeddings, router and shared expert included) plus k of the E experts."""
+    total = n_params(spec)
+    if not spec.is_moe:
+        return total
+    experts = sum(t.n_elements for t in tensor_plan(spec) if t.role == "expert")
+    return total - experts + experts * spec.num_experts_per_tok // spec.num_experts
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -209,7 +277,7 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
                         fix="set attention_bias: false")
     name = want_str(doc, ("name",), data.get("name", default_name))
     source = data.get("source")
-    extras = _gemma_fields(doc, data)
+    extras = _gemma_fields(doc, data) | _moe_fields(doc, data, ARCHS[arch])
     return ModelSpec(
         name=name, architecture=arch, attention_bias=bias,
         tie_word_embeddings=want_bool(doc, ("tie_word_embeddings",),
@@ -232,6 +300,44 @@ def _gemma_fields(doc: Doc, data: dict) -> dict:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if data.get(key) is not None:
             out[key] = want_float(doc, (key,), data[key], minimum=0.0, exclusive_min=True)
+    return out
+
+
+def _moe_fields(doc: Doc, data: dict, arch: Arch) -> dict:
+    """Experts, validated against what the architecture's loader reads."""
+    given = [k for k in MOE_FIELDS + MULTIPLIERS if data.get(k) is not None]
+    out: dict = {k: want_int(doc, (k,), data[k], minimum=1, maximum=MAX_DIM)
+                 for k in given if k in MOE_FIELDS}
+    out |= {k: want_float(doc, (k,), data[k], minimum=0.0, exclusive_min=True)
+            for k in given if k in MULTIPLIERS}
+    if arch.experts == "required" and "num_experts" not in out:
+        raise doc.error(("num_experts",), f"architecture {arch.name} is a mixture of experts",
+                        fix="set num_experts and num_experts_per_tok")
+    if arch.experts == "absent" and given and not arch.multipliers:
+        raise doc.error((given[0],), f"llama.cpp's {arch.name} loader reads no experts",
+                        fix=f"remove {given[0]} or use an MoE architecture")
+    stray = [k for k in given if k in MULTIPLIERS and not arch.multipliers]
+    if stray:
+        raise doc.error((stray[0],), f"{arch.name} has no {stray[0]}",
+                        fix="remove it, or use architecture: granitemoe")
+    if "num_experts" in out:
+        if "num_experts_per_tok" not in out:
+            raise doc.error(("num_experts_per_tok",), "missing experts per token",
+                            fix="set num_experts_per_tok (k of the num_experts experts)")
+        if out["num_experts_per_tok"] > out["num_experts"]:
+            raise doc.error(("num_experts_per_tok",),
+                            f"{out['num_experts_per_tok']} experts per token exceed the "
+                            f"{out['num_experts']} experts",
+                            fix="set num_experts_per_tok to at most num_experts")
+    elif len(given) > len([k for k in given if k in MULTIPLIERS]):
+        raise doc.error((given[0],), "expert settings without num_experts",
+                        fix="set num_experts, or remove " + given[0])
+    if ("shared_expert_intermediate_size" in out) != arch.shared_expert:
+        key = "shared_expert_intermediate_size"
+        raise doc.error((key,), f"llama.cpp's {arch.name} loader "
+                        + ("needs a shared expert" if arch.shared_expert
+                           else "reads no shared expert"),
+                        fix=f"set {key}" if arch.shared_expert else f"remove {key}")
     return out
 
 

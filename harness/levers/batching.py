@@ -8,9 +8,11 @@ from pathlib import Path
 
 from ..analysis.ceilings import combined_ceiling, span
 from ..core.costs import (
+    expert_union_fraction,
     kv_n_bytes_per_token,
     matmul_params_per_token,
     mean_decode_context,
+    step_weight_n_bytes,
 )
 from ..core.stats import center
 from ..render.plotkit import ci_errors, log2_pair, plt, save
@@ -38,7 +40,9 @@ def batching_rows(measurements: list[dict], models: dict, probes: list[dict]) ->
 def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> dict:
     model, b = models[m["model_key"]], m.get("parallel", 1)
     spec = spec_of(models, m)
-    weight_n_bytes = model["decode_weight_n_bytes"]
+    # a mixture of experts reads the union of the B tokens' experts (dense: the same weights)
+    solo_n_bytes = model["decode_weight_n_bytes"]
+    weight_n_bytes = step_weight_n_bytes(solo_n_bytes, model.get("expert_n_bytes", 0), spec, b)
     bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m), m["threads"],
                           "stream_gb_s")["value"]
     peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m), m["threads"],
@@ -65,6 +69,11 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
             "speedup": center(ratio := round_ratio(m, base, "decode") if base else None),
             "speedup_ci": ratio,
             "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
+            # the speed-up if a step's time followed its bytes alone
+            "bytes_speedup": b * (solo_n_bytes + kv_n_bytes) / (weight_n_bytes + b * kv_n_bytes),
+            "experts_read": (spec.num_experts * expert_union_fraction(
+                spec.num_experts, spec.num_experts_per_tok, b) if spec.is_moe else None),
+            "n_experts": spec.num_experts,
             "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
             "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
 
@@ -85,6 +94,7 @@ def batching_table(analysis: dict) -> list[Table]:
         Column("per-sequence tok/s", "per_sequence_tok_s", "stat"),
         Column("ms/step", "ms_per_step", "stat"),
         Column("speed-up (×)", "speedup_ci", "stat2"),
+        Column("bytes predict (×)", "bytes_speedup", "f2"),
         Column("weight MiB read per token served", "weight_n_bytes_per_token", "mib"),
         Column("roofline bound tok/s", "bound_tok_s", "f1"),
         Column("share of bound", "share_of_bound", "pct")], rows, batching_notes(rows))]
@@ -94,12 +104,28 @@ def batching_notes(rows: list[dict]) -> list[str]:
     """Where the gain from batching stops, explained from the measured ceilings."""
     out = ["Each step is one llama_decode of one token from every sequence (its own seq id); "
            "aggregate tok/s counts all of them, per-sequence tok/s is what each user sees. The "
-           "weights are read once per step, so the bytes per token served fall as 1/B."]
+           "weights are read once per step, so the bytes per token served fall as 1/B. "
+           "\"Bytes predict\" is the speed-up if a step took time in proportion to the bytes it "
+           "reads (weights plus each sequence's KV cache)."]
     for key in sorted({(r["model"], r["dtype"], r["threads"]) for r in rows}):
         group = sorted((r for r in rows if (r["model"], r["dtype"], r["threads"]) == key),
                        key=lambda r: r["parallel"])
         out.append(_batching_note(key, group))
+        if group[0]["experts_read"] is not None:
+            out.append(_experts_note(key, group))
     return out
+
+
+def _experts_note(key: tuple, group: list[dict]) -> str:
+    """An MoE model's batching against the expert-union prediction."""
+    e = group[0]["n_experts"]
+    reads = ", ".join(f"{r['experts_read']:.1f} at B = {r['parallel']}" for r in group)
+    text = (f"{key[0]} is a mixture of experts: a step of B sequences reads the union of their "
+            f"experts, an expected E(1 − (1 − k/E)^B) of its {e} per layer ({reads}; routing "
+            "by random weights is uniform, trained routers are skewed and share more)")
+    pairs = [f"{r['speedup']:.2f}× measured against {r['bytes_speedup']:.2f}× from the bytes "
+             f"at B = {r['parallel']}" for r in group if r["parallel"] > 1 and r.get("speedup")]
+    return text + (": " + "; ".join(pairs) if pairs else "") + "."
 
 
 def _batching_note(key: tuple, group: list[dict]) -> str:

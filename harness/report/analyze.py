@@ -3,7 +3,7 @@ in the registry. Recomputed whenever a report is rendered from stored records.""
 
 from __future__ import annotations
 
-from ..analysis.estimates import prediction_table, predictions, workload_balance
+from ..analysis.estimates import moe_names, prediction_table, predictions, workload_balance
 from ..analysis.machine import ceilings_summary, probe_errors, stability
 from ..analysis.phases import decode_rows, fit_verdicts, phase_use, prefill_rows
 from ..core.errors import HarnessError
@@ -12,12 +12,12 @@ from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 8
+ANALYSIS_VERSION = 9
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
             table: dict[str, dict[str, float]], rounds: list[dict] | None = None,
-            noisy_cores: float = 0.10) -> dict:
+            noisy_cores: float = 0.10, moe: list[str] | None = None) -> dict:
     """Everything the rule-of-thumb section of a report shows."""
     decode = decode_rows(measurements, models, probes)
     prefill = prefill_rows(measurements, models, probes)
@@ -27,7 +27,7 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
         "probe_errors": probe_errors(probes),
         "decode": decode, "fits": fits, "prefill": prefill,
-        "predictions": predictions(fits, decode, models, table),
+        "predictions": predictions(fits, decode, models, table, moe),
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
         "stability": stability(measurements, rounds or [], noisy_cores),
         "phase_use": phase_use(decode, prefill, models),
@@ -37,8 +37,9 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
 def analyze_records(records) -> dict:
     """The analysis of whatever a results file holds (complete or not)."""
     try:
-        table = prediction_table(all_specs())
+        specs = all_specs()
+        table, moe = prediction_table(specs), moe_names(specs)
     except HarnessError:
-        table = {}
+        table, moe = {}, []
     return analyze(records.measurements, records.models, records.probes, table,
-                   records.rounds, NOISY_CORES)
+                   records.rounds, NOISY_CORES, moe)

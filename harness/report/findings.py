@@ -29,7 +29,7 @@ def findings(data: dict) -> list[str]:
     out = []
     if main:
         out += _two_phases(a, main)
-    out += _size_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
+    out += _size_finding(a) + _experts_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
     out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
     out += _prefix_finding(a)
     claims = data.get("claims") or []
@@ -70,7 +70,8 @@ def _size_finding(a: dict) -> list[str]:
                    and (ids is None or r["id"] in ids)), key=lambda r: r["bytes_per_token"])
     several = len({r["dtype"] for r in rows}) > 1
     speeds = ", ".join(f"{r['model']}{' ' + r['dtype'] if several else ''} "
-                       f"{r['bytes_per_token'] / GB:.2f} GB → {center(r['tok_s']):.1f} tok/s"
+                       f"{r['bytes_per_token'] / GB:.2f} GB{' active' if r.get('moe') else ''}"
+                       f" → {center(r['tok_s']):.1f} tok/s"
                        for r in rows)
     tok_s = [center(r["tok_s"]) for r in rows]
     falling = all(a > b for a, b in zip(tok_s, tok_s[1:], strict=False))
@@ -84,6 +85,20 @@ def _size_finding(a: dict) -> list[str]:
     if not fit["memory_bound"]:
         text += f" Read with care: {fit['reasons'][0]}."
     return [text]
+
+
+def _experts_finding(a: dict) -> list[str]:
+    out = []
+    for r in a.get("experts") or []:
+        if r["follows"]:
+            out.append(
+                f"{r['model']} ({r['dtype'].upper()}, a mixture of experts using {r['experts']} "
+                f"experts per token) reads {r['active_n_bytes'] / GB:.2f} GB per token of its "
+                f"{r['file_n_bytes'] / GB:.2f} GB and decoded at {center(r['tok_s']):.1f} "
+                f"tok/s: at {r['gb_s']:.1f} GB/s the file size predicts "
+                f"{r['by_file_tok_s']:.1f} tok/s, the active bytes {r['by_active_tok_s']:.1f}; "
+                f"it follows the {r['follows']}.")
+    return out
 
 
 def _use_finding(a: dict) -> list[str]:

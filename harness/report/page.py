@@ -56,10 +56,13 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
                      "n": r["tok_s"]["n"],
                      "notes": notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
     rows.sort(key=lambda x: (x["threads"], x["bytes"]))
+    moe = sorted({r["model"] for r in analysis["decode"] if r.get("moe")})
     notes = ["size is every tensor's bytes (the file-size convention, llama-bench's "
              "model_size), in GiB (2³⁰ bytes); read per token is what one decode step reads, in "
              "GB (10⁹ bytes): every weight, the token embedding as one row unless tied to the "
-             "output, plus the KV cache at the mean context.",
+             "output, plus the KV cache at the mean context"
+             + (f"; of a mixture of experts ({', '.join(moe)}) only the k of E experts a token "
+                "is routed to (its active bytes)." if moe else "."),
              "tok/s is the median over the repetitions with its 95% confidence interval in "
              "brackets; ms/token = 1000 ÷ that rate. effective GB/s = tok/s × read per token.",
              "Streaming ceiling: ggml's own matrix-vector kernel over a matrix far larger than "
@@ -211,6 +214,10 @@ def estimates_table(analysis: dict) -> list[Table]:
              "built the file uses its tensor table: no star)."]
     notes += [f"{k.upper() if k != 'apple' else 'Apple'} band {lo:.0%}–{hi:.0%}: {src}."
               for k, (lo, hi, src) in bands.items()]
+    moe = [m for m in p.get("moe_models") or [] if m in models]
+    if moe:
+        notes.append(f"{', '.join(moe)}: mixtures of experts, estimated from their active bytes "
+                     "(k of E experts per token); the whole file must still fit in memory.")
     if p.get("share_of_read") is not None:
         notes.append(f"This run's decode reached a median {p['share_of_read']:.0%} of the "
                      "numpy read bandwidth measured beside it.")

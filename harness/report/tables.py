@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from ..core.costs import decode_weight_n_bytes, kv_n_bytes_per_token, weights_n_bytes
+from ..core.costs import (
+    active_expert_fraction,
+    decode_weight_n_bytes,
+    kv_n_bytes_per_token,
+    weights_n_bytes,
+)
 from ..core.dtypes import DTYPES
-from ..core.specs import ModelSpec, n_params
+from ..core.specs import ModelSpec, n_active_params, n_params
 from ..core.stats import center, inverse
 from ..weights.gguf_build import file_n_bytes, table_from_plan
 
@@ -23,13 +28,17 @@ def model_row(spec: ModelSpec) -> dict:
         "name": spec.name, "architecture": spec.architecture,
         "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
         "heads": spec.num_attention_heads, "kv_heads": spec.num_key_value_heads,
-        "n_params": n, "tied_embeddings": spec.tie_word_embeddings,
+        "n_params": n, "n_active_params": n_active_params(spec),
+        "experts": ({"n_experts": spec.num_experts, "per_token": spec.num_experts_per_tok,
+                     "width": spec.expert_width} if spec.is_moe else None),
+        "tied_embeddings": spec.tie_word_embeddings,
         "weights_n_bytes": {d: weights_n_bytes(table_from_plan(spec, DTYPES[d]))
                             for d in ("f32", "f16", "bf16")},
         "file_n_bytes": {d: file_n_bytes(spec, DTYPES[d]) for d in ("f32", "f16", "bf16")},
         "nominal_n_bytes": {d: int(n * DTYPES[d].bits_per_weight / 8) for d in NOMINAL_DTYPES},
         "kv_n_bytes_per_token_f16": int(kv_n_bytes_per_token(spec)),
-        "decode_weight_n_bytes_f32": decode_weight_n_bytes(table_from_plan(spec, f32)),
+        "decode_weight_n_bytes_f32": decode_weight_n_bytes(table_from_plan(spec, f32),
+                                                           active_expert_fraction(spec)),
         "source": spec.source,
     }
     return row
@@ -40,10 +49,13 @@ def models_rows(specs: dict[str, ModelSpec]) -> list[dict]:
 
 
 def render_models_table(rows: list[dict]) -> str:
-    headers = ["model", "arch", "layers", "hidden", "heads/kv", "params", "F32", "F16",
-               "Q8_0*", "Q4_0*", "KV/token (F16)", "decode reads/token (F32)"]
+    headers = ["model", "arch", "layers", "hidden", "heads/kv", "experts", "params",
+               "active params", "F32", "F16", "Q8_0*", "Q4_0*", "KV/token (F16)",
+               "decode reads/token (F32)"]
     body = [[r["name"], r["architecture"], r["layers"], r["hidden"],
-             f"{r['heads']}/{r['kv_heads']}", f"{r['n_params']:,}",
+             f"{r['heads']}/{r['kv_heads']}",
+             f"{r['experts']['per_token']} of {r['experts']['n_experts']}" if r["experts"]
+             else "-", f"{r['n_params']:,}", f"{r['n_active_params']:,}",
              fmt_bytes(r["weights_n_bytes"]["f32"]), fmt_bytes(r["weights_n_bytes"]["f16"]),
              fmt_bytes(r["nominal_n_bytes"]["q8_0"]), fmt_bytes(r["nominal_n_bytes"]["q4_0"]),
              fmt_bytes(r["kv_n_bytes_per_token_f16"]),
@@ -51,7 +63,8 @@ def render_models_table(rows: list[dict]) -> str:
     note = ("Sizes are tensor bytes (llama-bench's model_size); the file adds a few MB of "
             "metadata.\n* nominal: every matrix at the base type; llama.cpp's recipes keep "
             "some tensors at other types.\nDecode reads every weight once per token, the token "
-            "embedding as one row unless tied to the output.")
+            "embedding as one row unless tied to the output, and of a mixture of experts only "
+            "the k experts each token is routed to (active params; the file holds all E).")
     return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + "\n" + note
 
 

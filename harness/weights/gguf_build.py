@@ -13,9 +13,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.quants import quant_shape_to_byte_shape
 
 from .. import __version__
-from ..core.costs import TensorEntry, decode_weight_n_bytes
+from ..core.costs import TensorEntry, active_expert_fraction, decode_weight_n_bytes
 from ..core.dtypes import DTYPES, DType
-from ..core.specs import ModelSpec, TensorPlan, tensor_plan
+from ..core.specs import ARCHS, ModelSpec, TensorPlan, tensor_plan
 
 # Bump when the bytes the builder writes change: it is part of every cache key.
 BUILDER_VERSION = 1
@@ -183,7 +183,7 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
     w.add_block_count(spec.num_hidden_layers)
-    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_feed_forward_length(_ffn_length(spec))
     w.add_head_count(spec.num_attention_heads)
     w.add_head_count_kv(spec.num_key_value_heads)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
@@ -198,12 +198,36 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
         w.add_attn_logit_softcapping(spec.attn_logit_softcapping)
     if spec.final_logit_softcapping:
         w.add_final_logit_softcapping(spec.final_logit_softcapping)
+    _add_experts(w, spec)
     _add_tokenizer(w, spec.vocab_size, ARCH_TOKENS.get(spec.architecture, ()))
     w.add_string("harness.version", __version__)
     w.add_uint32("harness.builder_version", BUILDER_VERSION)
     w.add_uint64("harness.seed", seed)
     w.add_string("harness.spec_sha256", spec.content_hash())
     return w
+
+
+def _ffn_length(spec: ModelSpec) -> int:
+    """feed_forward_length: the experts' width where the loader sizes them by it."""
+    moe_by_n_ff = spec.is_moe and not ARCHS[spec.architecture].expert_ff_key
+    return spec.expert_width if moe_by_n_ff else spec.intermediate_size
+
+
+def _add_experts(w: GGUFWriter, spec: ModelSpec) -> None:
+    """The MoE keys llama.cpp's loaders read, and Granite's four scales (1.0 where unset)."""
+    arch = ARCHS[spec.architecture]
+    if spec.is_moe:
+        w.add_expert_count(spec.num_experts)
+        w.add_expert_used_count(spec.num_experts_per_tok)
+        if arch.expert_ff_key:
+            w.add_expert_feed_forward_length(spec.expert_width)
+        if spec.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
+    if arch.multipliers:
+        w.add_embedding_scale(spec.embedding_multiplier or 1.0)
+        w.add_residual_scale(spec.residual_multiplier or 1.0)
+        w.add_attention_scale(spec.attention_multiplier or 1.0)
+        w.add_logit_scale(spec.logits_scaling or 1.0)
 
 
 # Special tokens llama.cpp's vocabulary loader looks up by text for an architecture.
@@ -237,12 +261,14 @@ def table_from_plan(spec: ModelSpec, dtype) -> list[TensorEntry]:
 
 def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
     """Weight bytes a decode step reads at a dtype: exact for F32/F16/BF16; for quantized types
-    every matrix at the base type's bits per weight (recipes keep some tensors at other types)."""
+    every matrix at the base type's bits per weight (recipes keep some tensors at other types).
+    A mixture of experts reads k of its E experts."""
+    active = active_expert_fraction(spec)
     if dtype.direct:
-        return decode_weight_n_bytes(table_from_plan(spec, dtype))
+        return decode_weight_n_bytes(table_from_plan(spec, dtype), active)
     f32 = table_from_plan(spec, DTYPES["f32"])
     scaled = [TensorEntry(t.name, t.shape, t.type_name,
                           t.n_bytes if len(t.shape) == 1 else int(t.n_bytes * dtype.bits_per_weight
                                                                    / 32))
               for t in f32]
-    return decode_weight_n_bytes(scaled)
+    return decode_weight_n_bytes(scaled, active)

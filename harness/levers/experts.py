@@ -1,0 +1,149 @@
+"""Mixture of experts: a decode step reads k of E experts, so speed follows the active bytes.
+
+The lever's analysis (rows from the stored records), its report table and its plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..analysis.phases import fit_through_origin, longest_decodes
+from ..core.stats import center
+from ..render.plotkit import plt, save
+from ..render.tabular import Column, Table
+from .common import Lever, threads_label
+
+GB = 1e9
+
+
+# --- analysis
+
+def expert_rows(models: dict, phases: dict) -> list[dict]:
+    """Each mixture-of-experts decode beside the two predictions of the rule of thumb (file
+    size, active bytes), at a bandwidth the MoE rows did not set: the fit through the dense
+    models of the same weight type and threads, else the model's streaming ceiling. The dense
+    rows of that group come along, for comparison."""
+    decode = longest_decodes(phases.get("decode") or [])
+    moe = [r for r in decode if r.get("moe")]
+    rows = []
+    for key in sorted({(r["dtype"], r["threads"]) for r in moe}):
+        group = [r for r in decode if (r["dtype"], r["threads"]) == key]
+        dense = [r for r in group if not r.get("moe")]
+        for r in sorted(group, key=lambda r: (not r.get("moe"), r["model"])):
+            rows.append(_expert_row(r, models[f"{r['model']}|{r['dtype']}"], dense))
+    return rows
+
+
+def _yardstick(r: dict, dense: list[dict]) -> tuple[float | None, str]:
+    if dense:
+        fit = fit_through_origin([d["bytes_per_token"] for d in dense],
+                                 [center(d["tok_s"]) for d in dense])
+        names = ", ".join(sorted(d["model"] for d in dense))
+        return fit.gb_s, f"fitted on the dense {names}"
+    return r["stream_ceiling"]["value"], "ggml's streaming ceiling for its types"
+
+
+def _expert_row(r: dict, model: dict, dense: list[dict]) -> dict:
+    spec = model["spec"]
+    gb_s, basis = _yardstick(r, dense)
+    kv_n_bytes = r["bytes_per_token"] - model["decode_weight_n_bytes"]
+    file_n_bytes = model["weights_n_bytes"] + kv_n_bytes
+    measured = center(r["tok_s"])
+    by_file = gb_s * GB / file_n_bytes if gb_s else None
+    by_active = gb_s * GB / r["bytes_per_token"] if gb_s else None
+    follows = None
+    if r.get("moe") and by_file and by_active and measured:
+        follows = ("active bytes" if abs(math.log(measured / by_active))
+                   < abs(math.log(measured / by_file)) else "file size")
+    return {"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
+            "moe": bool(r.get("moe")),
+            "experts": (f"{spec['num_experts_per_tok']} of {spec['num_experts']}"
+                        if r.get("moe") else "dense"),
+            "file_n_bytes": file_n_bytes, "active_n_bytes": r["bytes_per_token"],
+            "tok_s": r["tok_s"], "gb_s": gb_s, "basis": basis,
+            "by_file_tok_s": by_file, "by_active_tok_s": by_active,
+            "of_active": measured / by_active if by_active and measured else None,
+            "of_file": measured / by_file if by_file and measured else None,
+            "follows": follows, "flags": r["flags"]}
+
+
+def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+    return {"experts": expert_rows(models, phases)}
+
+
+# --- table
+
+def experts_table(analysis: dict) -> list[Table]:
+    rows = analysis.get("experts") or []
+    if not rows:
+        return []
+    return [Table("experts", "Mixture of experts: file size or active bytes?", [
+        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
+        Column("experts per token", "experts"),
+        Column("file + KV GB", "file_n_bytes", "gb"),
+        Column("GB read per token (active)", "active_n_bytes", "gb"),
+        Column("measured tok/s", "tok_s", "stat"),
+        Column("file size predicts tok/s", "by_file_tok_s", "f1"),
+        Column("active bytes predict tok/s", "by_active_tok_s", "f1"),
+        Column("measured ÷ active prediction", "of_active", "pct"),
+        Column("follows", "follows")], rows, experts_notes(rows))]
+
+
+def experts_notes(rows: list[dict]) -> list[str]:
+    """What the predictions are and what the measurement followed, from the rows."""
+    out = ["A mixture-of-experts layer holds E experts and routes each token to k of them; "
+           "ggml's mul_mat_id reads only the chosen experts' rows, so one decode step reads "
+           "everything outside the experts (router and shared experts included) and k/E of "
+           "the experts. Both predictions are bandwidth ÷ bytes (KV cache included), one with "
+           "the whole file, one with the active bytes. The weights are random, so the router "
+           "picks experts uniformly; trained routers are skewed, which changes which experts "
+           "are read, not how many per token."]
+    for r in rows:
+        if r["moe"] and r["follows"]:
+            out.append(
+                f"{r['model']} {r['dtype']}, {threads_label(r['threads'])}: at "
+                f"{r['gb_s']:.1f} GB/s ({r['basis']}) its file size predicts "
+                f"{r['by_file_tok_s']:.1f} tok/s and its active bytes "
+                f"{r['by_active_tok_s']:.1f} tok/s; it measured {center(r['tok_s']):.1f} tok/s, "
+                f"{r['of_active']:.0%} of the active-bytes prediction and "
+                f"{r['of_file']:.1f}× the file-size one: it follows the {r['follows']}.")
+    return out
+
+
+# --- plot
+
+def experts_finding(rows: list[dict]) -> str:
+    """The plot's title: what the first MoE model's decode followed."""
+    r = next((r for r in rows if r["follows"]), None)
+    if not r:
+        return "Mixture of experts: decode against file size and active bytes"
+    return (f"{r['model']} decodes at {center(r['tok_s']):.1f} tok/s: "
+            f"{r['of_active']:.0%} of the active-bytes prediction, "
+            f"{r['of_file']:.1f}× the file-size one")
+
+
+def experts(analysis: dict, out_dir: Path) -> str | None:
+    rows = [r for r in analysis.get("experts") or [] if r["by_file_tok_s"]]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(rows))
+    width = 0.27
+    ax.bar([x - width for x in xs], [r["by_file_tok_s"] for r in rows], width,
+           label="predicted from the file size", color="#bbbbbb")
+    ax.bar(list(xs), [center(r["tok_s"]) for r in rows], width, label="measured",
+           color="#1f77b4")
+    ax.bar([x + width for x in xs], [r["by_active_tok_s"] for r in rows], width,
+           label="predicted from the active bytes", color="#ff7f0e")
+    ax.set_xticks(list(xs), [f"{r['model']}\n{r['dtype']}, {r['experts']}" for r in rows],
+                  fontsize=8)
+    ax.set_ylabel("decode tokens/s")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title(experts_finding(rows), fontsize=10)
+    return save(fig, out_dir, "experts")
+
+
+LEVER = Lever("experts", analyze, experts_table, ("experts",), experts, "experts",
+              "Measured decode tok/s of each model beside the tok/s its file size and its "
+              "active bytes predict")
