@@ -83,9 +83,20 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
 @click.option("--strict", is_flag=True, help="Abort when other processes load the CPU.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Run on every node of a Ray cluster: HOST:PORT, auto (the cluster this "
+                   "machine belongs to) or local (a one-node cluster here). Needs "
+                   "harness[ray].")
+@click.option("--nodes", multiple=True, metavar="LABEL|ID",
+              help="With --ray: only these nodes (labels or node ids; repeat or comma-separate).")
 def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
-        cache_dir: Path | None) -> None:
+        cache_dir: Path | None, ray_address: str | None, nodes: tuple[str, ...]) -> None:
     """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
+    if ray_address:
+        return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir)
+    if nodes:
+        raise HarnessError("--nodes chooses nodes of a Ray cluster", key="--nodes",
+                           fix="add --ray ADDRESS (or --ray local), or drop --nodes")
     from .engine.env import collect_env, physical_cores
     from .engine.results import RunWriter
     from .engine.scenario import load_scenario
@@ -156,11 +167,56 @@ def _lever_fields(m) -> dict:
             "parallel": m.parallel, "shared_prefix": m.shared_prefix}
 
 
-def default_run_dir(name: str, resume: bool) -> Path:
-    """reports/runs/NAME-TIMESTAMP, or with --resume the newest run of that scenario."""
+def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path | None,
+               resume: bool, strict: bool, cache_dir: Path | None) -> None:
+    """`harness run --ray`: one run directory per node under one fleet directory."""
+    from .engine.results import read_records
+    from .fleet import FleetRequest, run_fleet
+    from .report.files import write_report
+
+    name = yaml_name(scenario)
+    fleet_dir = out or default_run_dir(name, resume, base=Path("reports") / "fleets")
+    wanted = [w.strip() for item in nodes for w in item.split(",") if w.strip()]
+    req = FleetRequest(scenario, address, wanted, fleet_dir, resume, strict, cache_dir)
+    resume_cmd = (f"harness run {scenario} --ray {address} --out {fleet_dir} --resume"
+                  + "".join(f" --nodes {w}" for w in wanted))
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731
+    try:
+        states = run_fleet(req, echo)  # in this thread: Ctrl-C cancels the node tasks
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: what the nodes sent is kept in {fleet_dir}; resume with: "
+                   f"{resume_cmd}", err=True)
+        raise
+    for label, s in states.items():
+        if s.writer.records.measurements:
+            report = write_report(s.writer.dir, read_records(s.writer.path))
+            click.echo(f"[{label}] {s.status}: {len(s.writer.records.measured_ids)} of "
+                       f"{s.total} measurements; report: {report}", err=True)
+    failed = {k: s for k, s in states.items() if s.status != "done"}
+    for label, s in failed.items():
+        click.echo(f"[{label}] {s.status}: {s.error}", err=True)
+    click.echo(f"compare the machines: harness gallery {fleet_dir}", err=True)
+    click.echo(str(fleet_dir))
+    if failed:
+        click.echo(f"{len(failed)} node(s) did not finish; continue them with: {resume_cmd}",
+                   err=True)
+        sys.exit(EXIT_FAILURE)
+
+
+def yaml_name(scenario: Path) -> str:
+    """The scenario's name (for the default directory), validated later on every node."""
+    from .engine.env import physical_cores
+    from .engine.scenario import load_scenario
+
+    return load_scenario(scenario, physical_cores()).name
+
+
+def default_run_dir(name: str, resume: bool, base: Path | None = None) -> Path:
+    """BASE/NAME-TIMESTAMP (BASE: reports/runs), or with --resume the newest run of that
+    scenario."""
     import datetime as dt
 
-    base = Path("reports") / "runs"
+    base = base or Path("reports") / "runs"
     if resume:
         runs = sorted(base.glob(f"{name}-*"))
         if not runs:

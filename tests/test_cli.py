@@ -86,6 +86,12 @@ def test_not_a_yaml_directory(run_cli, tmp_path):
     ("llama-3.2-1b-config.json", "llama-3.2-1b"),
     ("qwen3-0.6b-config.json", "qwen3-0.6b"),
     ("mistral-7b-config.json", "mistral-7b-v0.3"),
+    # mixtures of experts (configs with the shapes, in Hugging Face's key names)
+    ("qwen3-30b-a3b-config.json", "qwen3-30b-a3b"),
+    ("mixtral-8x7b-config.json", "mixtral-8x7b"),
+    ("qwen1.5-moe-a2.7b-config.json", "qwen1.5-moe-a2.7b"),
+    ("olmoe-1b-7b-config.json", "olmoe-1b-7b"),
+    ("granite-3.0-1b-a400m-config.json", "granite-3.0-1b-a400m"),
 ])
 def test_import_reproduces_the_bundled_spec(run_cli, tmp_path, config, real):
     out = tmp_path / "spec.yaml"
@@ -101,6 +107,19 @@ def test_import_mistral_maps_to_llama(run_cli, tmp_path):
                    ).exit_code == 0
     spec = load_spec_file(out)
     assert spec.architecture == "llama" and n_params(spec) == 7_248_023_552
+
+
+def test_import_copies_granite_scales_and_refuses_mixed_dense_layers(run_cli, tmp_path):
+    config = json.loads((HF / "granite-3.0-1b-a400m-config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config | {"logits_scaling": 6.0}))
+    out = tmp_path / "g.yaml"
+    assert run_cli("models", "import", str(path), "-o", str(out)).exit_code == 0
+    assert load_spec_file(out).logits_scaling == 6.0
+    qwen = json.loads((HF / "qwen3-30b-a3b-config.json").read_text())
+    path.write_text(json.dumps(qwen | {"mlp_only_layers": [0, 1]}))
+    r = run_cli("models", "import", str(path), "-o", str(tmp_path / "q.yaml"))
+    assert_user_error(r, "mlp_only_layers", "every layer")
 
 
 def test_import_refuses_to_overwrite(run_cli, tmp_path):

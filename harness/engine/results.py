@@ -58,7 +58,7 @@ def read_records(path: Path) -> Records:
                                fix="restore the file or start a new run")
         if record["type"] == "measurement" and isinstance(record.get("samples"), dict):
             record = _resummarized(record, path, number)
-        _file(records, record)
+        file_record(records, record)
     if records.header is None and lines:
         raise HarnessError("results file has no header record", source=str(path),
                            fix="pass a results.jsonl written by `harness run`")
@@ -85,7 +85,8 @@ def _well_formed(record: object) -> bool:
             and all(k in record for k in _REQUIRED.get(record["type"], ())))
 
 
-def _file(records: Records, record: dict) -> None:
+def file_record(records: Records, record: dict) -> None:
+    """File one record into records (by its type), numbering it in file order."""
     # seq: the record's place in the file, so analysis can find the probes beside a measurement
     records.n_records += 1
     record = dict(record, seq=records.n_records)
@@ -146,7 +147,7 @@ class RunWriter:
         self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
-        _file(self.records, record)
+        file_record(self.records, record)
 
     def close(self) -> None:
         self._file.close()

@@ -187,7 +187,7 @@ def batching(analysis: dict, out_dir: Path) -> str | None:
                            label=f"{label}: measured (95% CI)")[0]
         if all(r["bound_tok_s"] for r in group):
             a1.plot(b, [r["bound_tok_s"] for r in group], "--", color=line.get_color(),
-                    label="roofline bound from the measured ceilings")
+                    label=f"{key[0]}: roofline bound from the measured ceilings")
         a2.errorbar(b, [center(r["per_sequence_tok_s"]) for r in group],
                     yerr=ci_errors([r["per_sequence_tok_s"] for r in group]), fmt="o-",
                     capsize=3, label=label)

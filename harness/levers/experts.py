@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..analysis.phases import fit_through_origin, longest_decodes
 from ..core.stats import center
-from ..render.plotkit import plt, save
+from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, threads_label
 
@@ -131,15 +131,15 @@ def experts(analysis: dict, out_dir: Path) -> str | None:
     width = 0.27
     ax.bar([x - width for x in xs], [r["by_file_tok_s"] for r in rows], width,
            label="predicted from the file size", color="#bbbbbb")
-    ax.bar(list(xs), [center(r["tok_s"]) for r in rows], width, label="measured",
-           color="#1f77b4")
+    ax.bar(list(xs), [center(r["tok_s"]) for r in rows], width, label="measured (95% CI)",
+           color="#1f77b4", yerr=ci_errors([r["tok_s"] for r in rows]), capsize=3)
     ax.bar([x + width for x in xs], [r["by_active_tok_s"] for r in rows], width,
            label="predicted from the active bytes", color="#ff7f0e")
     ax.set_xticks(list(xs), [f"{r['model']}\n{r['dtype']}, {r['experts']}" for r in rows],
                   fontsize=8)
     ax.set_ylabel("decode tokens/s")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     ax.set_title(experts_finding(rows), fontsize=10)
     return save(fig, out_dir, "experts")
 

@@ -14,7 +14,10 @@ from ..core.yamlio import Doc, read_text
 # model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
 SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False),
              "qwen3": ("qwen3", False), "gemma2": ("gemma2", False),
-             "gemma3_text": ("gemma3", False), "phi3": ("phi3", False)}
+             "gemma3_text": ("gemma3", False), "phi3": ("phi3", False),
+             "mixtral": ("llama", False), "granitemoe": ("granitemoe", False),
+             "olmoe": ("olmoe", False), "qwen2_moe": ("qwen2moe", True),
+             "qwen3_moe": ("qwen3moe", False)}
 _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rope_theta",
            "rms_norm_eps", "max_position_embeddings")
@@ -22,6 +25,13 @@ _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
 # a sliding_window they do not use: use_sliding_window is false).
 _WINDOWED = {"gemma2", "gemma3", "phi3"}
 _WINDOW_KEYS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+# Experts, under either config name (Mixtral and Granite say num_local_experts).
+_EXPERT_KEYS = {"num_experts": "num_experts", "num_local_experts": "num_experts",
+                "num_experts_per_tok": "num_experts_per_tok",
+                "moe_intermediate_size": "moe_intermediate_size",
+                "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+_GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                 "logits_scaling")
 
 
 def spec_dict_from_config(config: dict, name: str, source: str | None, origin: str) -> dict:
@@ -35,6 +45,16 @@ def spec_dict_from_config(config: dict, name: str, source: str | None, origin: s
     for key in _COPIED + (_WINDOW_KEYS if arch in _WINDOWED else ()):
         if config.get(key) is not None:
             spec[key] = config[key]
+    for key, dense in (("mlp_only_layers", []), ("decoder_sparse_step", 1)):
+        if config.get(key, dense) not in (dense, None):
+            raise HarnessError(f"{key} = {config[key]!r}: some layers are dense", source=origin,
+                               key=key, fix="the harness builds experts in every layer; "
+                                            "edit the spec by hand if that is close enough")
+    if model_type in ("mixtral", "granitemoe", "olmoe", "qwen2_moe", "qwen3_moe"):
+        spec |= {ours: config[theirs] for theirs, ours in _EXPERT_KEYS.items()
+                 if config.get(theirs) is not None}
+    if arch == "granitemoe":
+        spec |= {k: config[k] for k in _GRANITE_KEYS if config.get(k) is not None}
     spec["attention_bias"] = bool(config.get("attention_bias", default_bias))
     if spec.get("head_dim") and spec["head_dim"] * spec.get("num_attention_heads", 0) == \
             spec.get("hidden_size"):

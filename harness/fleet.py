@@ -1,0 +1,431 @@
+"""Fleet runs: one scenario on every node of a Ray cluster, one run directory per node.
+
+The driver checks each chosen node with a small task (versions, the scenario, RAM and disk on
+that node's own hardware), then starts one task per node that reserves all of the node's CPUs
+and runs the scenario there with the local runner. Every record the node writes is streamed
+back the moment it exists and appended to FLEET/LABEL/results.jsonl, the same JSONL a local
+run writes, so a node that dies loses only its measurement in flight and `--resume` continues
+each node where its records stop. Only this module imports Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import __version__
+from .core.errors import HarnessError
+from .engine.measure import now_iso
+from .engine.results import RESULTS_FILE, Records, RunWriter, file_record
+
+LABEL_KEY = "harness-label"  # a Ray node label (ray start --labels) naming the node's run dir
+INSTALL_FIX = "install it with: pip install 'harness[ray]'"
+FLEET_FILE = "fleet.json"
+_LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One alive node of the cluster, as the fleet names it."""
+
+    node_id: str
+    label: str
+    hostname: str
+    cpus: float
+
+
+@dataclass
+class NodeState:
+    """What the driver knows of one node's run."""
+
+    node: Node
+    writer: RunWriter
+    total: int
+    status: str = "running"  # running, done, failed, cancelled
+    error: str | None = None
+    task: object = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+# --- versions and the node side ------------------------------------------------------------
+
+def versions() -> dict:
+    """What must match between the driver and a node: harness and llama.cpp."""
+    from .engine.llama import version_info
+
+    info = version_info()
+    return {"harness": __version__, "llama_cpp_python": info["llama_cpp_python"],
+            "ggml_commit": info.get("ggml_commit")}
+
+
+def version_mismatch(own: dict, expected: dict) -> str | None:
+    """One line saying what differs, or None."""
+    diff = [f"{k} {own.get(k)} (driver: {expected.get(k)})" for k in expected
+            if own.get(k) != expected.get(k)]
+    return ", ".join(diff) or None
+
+
+def _load_plan(scenario_text: str, scenario_path: str):
+    """The shipped scenario, validated on this node (threads: auto follows its own cores),
+    recorded under the driver's path."""
+    from .engine.env import physical_cores
+    from .engine.scenario import load_scenario
+
+    with tempfile.TemporaryDirectory(prefix="harness-fleet-") as tmp:
+        path = Path(tmp) / Path(scenario_path).name
+        path.write_text(scenario_text, encoding="utf-8")
+        try:
+            return replace(load_scenario(path, physical_cores()), path=Path(scenario_path))
+        except HarnessError as exc:
+            if exc.source == str(path):
+                exc.source = scenario_path  # name the driver's file, not the copy
+            raise
+
+
+def node_check(scenario_text: str, scenario_path: str, expected: dict,
+               cache_dir: str | None) -> dict:
+    """On a node: refuse other versions, validate and preflight the scenario there."""
+    from .runner import preflight
+
+    info = {"hostname": socket.gethostname()}
+    mismatch = version_mismatch(versions(), expected)
+    if mismatch:
+        return info | {"ok": False, "error": f"other versions here: {mismatch}",
+                       "fix": "install the driver's harness and llama-cpp-python on the node"}
+    try:
+        plan = _load_plan(scenario_text, scenario_path)
+        preflight(plan, list(plan.measurements), Path(cache_dir) if cache_dir else None)
+    except HarnessError as exc:
+        return info | {"ok": False, "error": exc.render(), "fix": None}
+    return info | {"ok": True}
+
+
+class StreamWriter:
+    """RunWriter's interface on a node: records are filed in memory and queued for the
+    driver, which writes them to disk."""
+
+    def __init__(self, prior: list[dict], out: queue.Queue, label: str) -> None:
+        self.records = Records()
+        self.dir = Path(label)
+        self._out = out
+        for record in prior:
+            file_record(self.records, record)
+
+    def append(self, record: dict) -> None:
+        file_record(self.records, record)
+        self._out.put(record)
+
+
+def node_run(scenario_text: str, scenario_path: str, prior: list[dict], label: str,
+             strict: bool, cache_dir: str | None) -> Iterator[dict]:
+    """On a node: run the scenario, yielding each record as it is written (and console lines
+    as {"type": "console"} items the driver prints but does not store)."""
+    from .engine.env import collect_env
+    from .report.tables import round_line
+    from .runner import Console, run_scenario
+
+    out: queue.Queue = queue.Queue()
+    writer = StreamWriter(prior, out, label)
+
+    def say(level: str) -> Callable[[str], None]:
+        return lambda text: out.put({"type": "console", "level": level, "text": text})
+
+    console = Console(warn=say("warning"), info=say("info"),
+                      round=lambda p: out.put({"type": "console", "level": "round",
+                                               "text": round_line(p)}))
+
+    def work() -> None:
+        try:
+            plan = _load_plan(scenario_text, scenario_path)
+            run_scenario(plan, writer, collect_env(), strict=strict,
+                         cache_dir=Path(cache_dir) if cache_dir else None, console=console,
+                         argv=["harness", "run", scenario_path, "--ray", f"(node {label})"])
+        except HarnessError as exc:
+            out.put({"type": "node_error", "error": exc.render()})
+        except Exception as exc:  # reported to the driver, which records the node as failed
+            out.put({"type": "node_error", "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            out.put(None)
+
+    threading.Thread(target=work, name="harness-node-run", daemon=True).start()
+    while (item := out.get()) is not None:
+        yield item
+
+
+# --- the driver ----------------------------------------------------------------------------
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise HarnessError("--ray needs Ray, which is not installed", key="--ray",
+                           fix=INSTALL_FIX) from None
+    return ray
+
+
+def connect(ray, address: str) -> None:
+    """Join the cluster at address (`auto`: the one this machine belongs to; `local`: start a
+    one-node cluster here, without the dashboard)."""
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        return
+    if address != "auto":
+        _check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise HarnessError(f"could not join a Ray cluster at {address!r} ({exc})", key="--ray",
+                           fix="start one with `ray start --head`, pass its address, or use "
+                               "--ray local") from None
+
+
+def _check_reachable(address: str, seconds: float = 5.0) -> None:
+    """Fail fast on an address nothing answers at (ray.init would retry for a minute)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise HarnessError(f"{address!r} is not HOST:PORT", key="--ray",
+                           fix="pass the head node's address, e.g. 10.0.0.5:6379, or auto or "
+                               "local")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except OSError as exc:
+        raise HarnessError(f"nothing answers at {address} ({exc.strerror or exc})",
+                           key="--ray", fix="check the head node's address and that "
+                                            "`ray start --head` runs there") from None
+
+
+def alive_nodes(raw: list[dict]) -> list[Node]:
+    """The alive nodes from ray.nodes(), each labelled by its harness-label or, without one,
+    its hostname and an index among that host's nodes."""
+    alive = sorted((n for n in raw if n.get("Alive")),
+                   key=lambda n: (n.get("NodeManagerHostname", ""),
+                                  n.get("NodeManagerAddress", ""),
+                                  n.get("NodeManagerPort", 0), n["NodeID"]))
+    per_host: dict[str, int] = {}
+    out = []
+    for n in alive:
+        host = n.get("NodeManagerHostname") or n.get("NodeManagerAddress") or "node"
+        label = (n.get("Labels") or {}).get(LABEL_KEY)
+        if not label:
+            label = f"{host}-{per_host.get(host, 0)}"
+            per_host[host] = per_host.get(host, 0) + 1
+        if not _LABEL_OK.match(label):
+            raise HarnessError(f"node {n['NodeID'][:12]} has the label {label!r}, which cannot "
+                               "name a directory", key=LABEL_KEY,
+                               fix="use letters, digits, '.', '_' and '-'")
+        out.append(Node(n["NodeID"], label, host, float(n.get("Resources", {}).get("CPU", 0))))
+    return out
+
+
+def select_nodes(nodes: list[Node], wanted: list[str]) -> list[Node]:
+    """The nodes --nodes names (by label or node id, or an id's first 8+ characters)."""
+    if not nodes:
+        raise HarnessError("the cluster has no alive node", key="--ray",
+                           fix="start a node with `ray start`")
+    if not wanted:
+        return nodes
+    chosen: list[Node] = []
+    for w in wanted:
+        hits = [n for n in nodes if w == n.label or w == n.node_id
+                or (len(w) >= 8 and n.node_id.startswith(w))]
+        if not hits:
+            raise HarnessError(f"{w!r} matches no alive node", key="--nodes",
+                               fix="alive nodes: " + ", ".join(
+                                   f"{n.label} ({n.node_id[:12]})" for n in nodes))
+        chosen += [n for n in hits if n not in chosen]
+    return chosen
+
+
+def _on_node(ray, node: Node, fn: Callable, **options):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False)
+    return ray.remote(fn).options(scheduling_strategy=strategy, max_retries=0, **options)
+
+
+def check_nodes(ray, nodes: list[Node], scenario: Path, expected: dict,
+                cache_dir: Path | None) -> None:
+    """Refuse the run (exit 2) if any chosen node has other versions or fails preflight."""
+    text = scenario.read_text(encoding="utf-8")
+    refs = [_on_node(ray, n, node_check, num_cpus=0).remote(
+        text, str(scenario), expected, str(cache_dir) if cache_dir else None) for n in nodes]
+    for n, result in zip(nodes, ray.get(refs), strict=True):
+        if not result["ok"]:
+            raise HarnessError(f"node {n.label} ({result['hostname']}) refused: "
+                               f"{result['error']}", key="--ray", fix=result["fix"])
+
+
+def read_fleet(fleet_dir: Path) -> dict:
+    path = fleet_dir / FLEET_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_fleet(fleet_dir: Path, scenario: Path, states: dict[str, NodeState]) -> None:
+    """fleet.json: each node's id, host and status, replaced atomically."""
+    data = read_fleet(fleet_dir) | {"scenario": str(scenario), "updated": now_iso()}
+    nodes = data.setdefault("nodes", {})
+    for label, s in states.items():
+        nodes[label] = {"node_id": s.node.node_id, "hostname": s.node.hostname,
+                        "cpus": s.node.cpus, "status": s.status, "error": s.error,
+                        "measurements": len(s.writer.records.measured_ids), "of": s.total}
+    tmp = fleet_dir / (FLEET_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(fleet_dir / FLEET_FILE)
+
+
+def _consume(ray, state: NodeState, echo: Callable[[str], None]) -> None:
+    """Append each record the node streams to its run directory; a node that dies or is
+    removed ends here with its failure recorded (what arrived before stays)."""
+    label = state.node.label
+    try:
+        for ref in state.task:
+            item = ray.get(ref)
+            kind = item.get("type")
+            if kind == "console":
+                echo(f"[{label}] {item['level'] + ': ' if item['level'] == 'warning' else ''}"
+                     f"{item['text']}")
+            elif kind == "node_error":
+                state.status, state.error = "failed", item["error"]
+            else:
+                state.writer.append(item)
+                if kind == "measurement":
+                    echo(f"[{label}] {progress_line(state, item)}")
+        if state.status == "running":
+            state.status = "done"
+    except Exception as exc:  # Ray's errors for a dead node, worker or cancelled task
+        if state.status == "running":
+            state.status = "cancelled" if "Cancel" in type(exc).__name__ else "failed"
+            state.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    if state.status != "done":
+        state.writer.append({"type": "node_failure", "node": label,
+                             "node_id": state.node.node_id, "status": state.status,
+                             "error": state.error, "at": now_iso()})
+
+
+def progress_line(state: NodeState, m: dict) -> str:
+    """One node's progress: how many of its measurements are done, and the latest."""
+    done = len(state.writer.records.measured_ids)
+    rate = m.get("decode_tok_s") or m.get("prefill_tok_s") or {}
+    what = "decode" if m.get("decode_tok_s") else "prefill"
+    return (f"{done}/{state.total} measured · {m['model']} {m['dtype']} "
+            f"{m.get('threads')} threads: {what} {rate.get('median', 0):.1f} tok/s")
+
+
+@dataclass(frozen=True)
+class FleetRequest:
+    """What `harness run --ray` was asked."""
+
+    scenario: Path
+    address: str
+    nodes: list[str]
+    fleet_dir: Path
+    resume: bool
+    strict: bool
+    cache_dir: Path | None
+
+
+def start_nodes(ray, req: FleetRequest, nodes: list[Node], total: int) -> dict[str, NodeState]:
+    """One run directory and one task per node; each task reserves all of its node's CPUs."""
+    text = req.scenario.read_text(encoding="utf-8")
+    states: dict[str, NodeState] = {}
+    try:
+        for n in nodes:
+            run_dir = req.fleet_dir / n.label
+            has_results = (run_dir / RESULTS_FILE).exists()
+            writer = RunWriter(run_dir, resume=req.resume and has_results)
+            states[n.label] = NodeState(n, writer, total)
+    except HarnessError:
+        for s in states.values():
+            s.writer.close()
+        raise
+    for s in states.values():
+        prior = _stored_records(s.writer.path)
+        s.task = _on_node(ray, s.node, node_run, num_cpus=s.node.cpus,
+                          num_returns="streaming").remote(
+            text, str(req.scenario), prior, s.node.label, req.strict,
+            str(req.cache_dir) if req.cache_dir else None)
+    return states
+
+
+def _stored_records(path: Path) -> list[dict]:
+    """The records a node's run directory holds, as written (for the node to resume from)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def run_fleet(req: FleetRequest, echo: Callable[[str], None]) -> dict[str, NodeState]:
+    """Run the scenario on every chosen node; returns each node's final state. Ctrl-C
+    cancels the node tasks and keeps what arrived."""
+    from .engine.env import physical_cores
+    from .engine.scenario import load_scenario
+
+    plan = load_scenario(req.scenario, physical_cores())  # bad input stops here, exit 2
+    ray = import_ray()
+    connect(ray, req.address)
+    try:
+        nodes = select_nodes(alive_nodes(ray.nodes()), req.nodes)
+        missing = _absent_labels(req, nodes)
+        check_nodes(ray, nodes, req.scenario, versions(), req.cache_dir)
+        req.fleet_dir.mkdir(parents=True, exist_ok=True)
+        states = start_nodes(ray, req, nodes, len(plan.measurements))
+        echo(f"{plan.title}: {len(plan.measurements)} measurements on each of {len(nodes)} "
+             f"node(s) -> {req.fleet_dir}")
+        for label in missing:
+            echo(f"[{label}] not in the cluster now: its run waits for it (harness-label "
+                 f"{label})")
+        try:
+            _watch(ray, states, req, echo)
+        finally:
+            for s in states.values():
+                s.writer.close()
+            write_fleet(req.fleet_dir, req.scenario, states)
+        return states
+    finally:
+        ray.shutdown()
+
+
+def _absent_labels(req: FleetRequest, nodes: list[Node]) -> list[str]:
+    """On --resume: the fleet's earlier nodes that are not among the chosen ones now."""
+    if not req.resume:
+        return []
+    known = read_fleet(req.fleet_dir).get("nodes", {})
+    if not known and not (req.fleet_dir.exists() and any(req.fleet_dir.iterdir())):
+        raise HarnessError("nothing to resume: no fleet run here", source=str(req.fleet_dir),
+                           fix="drop --resume to start a new fleet run")
+    labels = {n.label for n in nodes}
+    return sorted(k for k, v in known.items() if k not in labels and v.get("status") != "done")
+
+
+def _watch(ray, states: dict[str, NodeState], req: FleetRequest, echo) -> None:
+    """A thread per node streams its records; Ctrl-C cancels every task still running."""
+    for s in states.values():
+        s.thread = threading.Thread(target=_consume, args=(ray, s, echo),
+                                    name=f"harness-fleet-{s.node.label}", daemon=True)
+        s.thread.start()
+    try:
+        for s in states.values():
+            while s.thread.is_alive():
+                s.thread.join(timeout=0.5)
+            write_fleet(req.fleet_dir, req.scenario, states)
+    except KeyboardInterrupt:
+        for s in states.values():
+            if s.status == "running":
+                s.status, s.error = "cancelled", "interrupted on the driver (Ctrl-C)"
+                ray.cancel(s.task, force=True)
+        for s in states.values():
+            s.thread.join(timeout=10)
+        raise

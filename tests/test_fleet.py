@@ -1,0 +1,131 @@
+"""Fleet runs on Ray: the node side and the driver's choices without a cluster, then real
+clusters (one node, two nodes, a node removed mid-run and resumed) inside a network namespace
+with only loopback up, so no test traffic leaves the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, assert_user_error
+
+from harness import fleet, runner
+from harness.core.errors import HarnessError
+from harness.engine.results import RunWriter, read_records
+
+SCENARIO = Path(__file__).resolve().parent / "scenarios" / "fleet.yaml"
+CASES = Path(__file__).resolve().parent / "fleet" / "cluster_cases.py"
+
+
+def _raw(node_id, host, cpus=2, alive=True, label=None, port=1):
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerHostname": host,
+            "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port,
+            "Resources": {"CPU": cpus}, "Labels": {fleet.LABEL_KEY: label} if label else {}}
+
+
+def test_nodes_are_labelled_by_host_and_index_or_their_own_label():
+    nodes = fleet.alive_nodes([_raw("b" * 56, "lab", port=2), _raw("a" * 56, "lab", port=1),
+                               _raw("c" * 56, "lab", alive=False),
+                               _raw("d" * 56, "pi", label="desk-3")])
+    assert [(n.label, n.node_id[0]) for n in nodes] == [("lab-0", "a"), ("lab-1", "b"),
+                                                        ("desk-3", "d")]
+    assert fleet.select_nodes(nodes, ["desk-3", "bbbbbbbb"]) == [nodes[2], nodes[1]]
+    with pytest.raises(HarnessError) as info:
+        fleet.select_nodes(nodes, ["lab-7"])
+    assert "--nodes" in info.value.render() and "lab-0" in info.value.render()
+    with pytest.raises(HarnessError):
+        fleet.alive_nodes([_raw("e" * 56, "x", label="../up")])
+
+
+def test_a_node_with_other_versions_is_named():
+    own = {"harness": "0.2.0", "llama_cpp_python": "0.3.36", "ggml_commit": "abc"}
+    assert fleet.version_mismatch(own, dict(own)) is None
+    said = fleet.version_mismatch(own, own | {"harness": "9.9"})
+    assert said == "harness 0.2.0 (driver: 9.9)"
+
+
+def test_node_run_streams_records_that_make_a_local_run(tmp_path, monkeypatch):
+    """The node side without Ray: every record it yields, appended by the driver's writer,
+    gives the same JSONL structure as a local run of the scenario."""
+    monkeypatch.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+    text = SCENARIO.read_text()
+    with RunWriter(tmp_path / "node", resume=False) as writer:
+        items = list(fleet.node_run(text, str(SCENARIO), [], "lab-0", False, None))
+        for item in items:
+            if item["type"] != "console":
+                writer.append(item)
+    streamed = read_records(tmp_path / "node" / "results.jsonl")
+    assert any(i["type"] == "console" for i in items)
+    assert not [i for i in items if i["type"] == "node_error"]
+    local = tmp_path / "local"
+    assert runner_local(local) == 0
+    plain = read_records(local / "results.jsonl")
+    assert [m["id"] for m in streamed.measurements] == [m["id"] for m in plain.measurements]
+    kinds = lambda r: sorted({x.get("type") for x in [r.header, *r.measurements, *r.probes,  # noqa: E731
+                                                       *r.analyses, *r.repetitions]})
+    assert kinds(streamed) == kinds(plain)
+    assert set(streamed.measurements[0]) == set(plain.measurements[0])
+
+
+def runner_local(out: Path) -> int:
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", str(SCENARIO), "--out",
+                           str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=os.environ | {"HARNESS_PROBE_MIB": "1"})
+    return proc.returncode
+
+
+def test_ray_missing_says_how_to_install(run_cli, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    r = run_cli("run", str(SCENARIO), "--ray", "local", "--out", str(tmp_path / "f"))
+    assert_user_error(r, "--ray", "not installed", "pip install 'harness[ray]'")
+    assert not (tmp_path / "f").exists()
+
+
+def test_nodes_without_ray_is_refused(run_cli):
+    assert_user_error(run_cli("run", str(SCENARIO), "--nodes", "lab-0"), "--nodes", "--ray")
+
+
+def test_unreachable_address_is_refused_fast(run_cli, tmp_path):
+    pytest.importorskip("ray")
+    r = run_cli("run", str(SCENARIO), "--ray", "127.0.0.1:9", "--out", str(tmp_path / "f"))
+    assert_user_error(r, "--ray", "nothing answers at 127.0.0.1:9")
+    r = run_cli("run", str(SCENARIO), "--ray", "nohost", "--out", str(tmp_path / "f"))
+    assert_user_error(r, "--ray", "not HOST:PORT")
+
+
+# --- real clusters, in a network namespace -------------------------------------------------
+
+def _namespace_ok() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "needs unshare and ip (util-linux, iproute2)"
+    if os.geteuid() != 0:
+        return "needs root to make a network namespace"
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "needs Ray (pip install 'harness[ray]')"
+    return None
+
+
+@pytest.mark.parametrize("case", ["local", "two_nodes", "refusals", "fault_and_resume",
+                                  "interrupt"])
+def test_cluster_case(case, tmp_path):
+    why = _namespace_ok()
+    if why:
+        pytest.skip(why)
+    script = (f"ip link set lo up && exec {sys.executable} {CASES} {case} {tmp_path} "
+              f"{SCENARIO}")
+    # -n: only loopback; --pid --fork --mount-proc: every Ray process dies with the script
+    proc = subprocess.run(["unshare", "-n", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                           script], capture_output=True,
+                          text=True, timeout=240, cwd=ROOT,
+                          env=os.environ | {"HARNESS_PROBE_MIB": "1",
+                                            "RAY_USAGE_STATS_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["case"] == case and summary["ok"]
