@@ -28,6 +28,7 @@ from .engine.results import RESULTS_FILE, Records, RunWriter, file_record
 LABEL_KEY = "harness-label"  # a Ray node label (ray start --labels) naming the node's run dir
 INSTALL_FIX = "install it with: pip install 'harness[ray]'"
 FLEET_FILE = "fleet.json"
+CHECK_SECONDS = 300  # the per-node check loads llama.cpp and the scenario: seconds, not minutes
 _LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -256,7 +257,13 @@ def check_nodes(ray, nodes: list[Node], scenario: Path, expected: dict,
     text = scenario.read_text(encoding="utf-8")
     refs = [_on_node(ray, n, node_check, num_cpus=0).remote(
         text, str(scenario), expected, str(cache_dir) if cache_dir else None) for n in nodes]
-    for n, result in zip(nodes, ray.get(refs), strict=True):
+    try:
+        results = ray.get(refs, timeout=CHECK_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        raise HarnessError(f"the nodes did not answer the check within {CHECK_SECONDS} s",
+                           key="--ray", fix="see `ray status`: a node may be busy or "
+                                            "unreachable; --nodes can leave it out") from None
+    for n, result in zip(nodes, results, strict=True):
         if not result["ok"]:
             raise HarnessError(f"node {n.label} ({result['hostname']}) refused: "
                                f"{result['error']}", key="--ray", fix=result["fix"])

@@ -29,6 +29,15 @@ def test_models_json(run_cli):
     l8 = by_name["llama-3.1-8b"]
     embedding = 128256 * 4096 * 4
     assert l8["decode_weight_n_bytes_f32"] == l8["weights_n_bytes"]["f32"] - embedding + 4096 * 4
+    # a mixture of experts: total and active parameters, the expert tensors named, and the
+    # bytes a decode step reads with 8 of 128 experts
+    moe = by_name["qwen3-30b-a3b"]
+    assert (moe["n_params"], moe["n_active_params"]) == (30_532_122_624, 3_353_032_704)
+    assert moe["experts"] == {"n_experts": 128, "per_token": 8, "width": 768}
+    experts = moe["params_by_role"]["expert"]
+    assert experts == 48 * 128 * 3 * 2048 * 768
+    assert moe["decode_weight_n_bytes_f32"] == 4 * (moe["n_params"] - experts + experts // 16
+                                                    - (151936 - 1) * 2048)
 
 
 def test_build_prints_the_path(run_cli, tmp_path):

@@ -78,7 +78,9 @@ def _size_finding(a: dict) -> list[str]:
     eff = [r["effective_gb_s"] for r in rows]
     head = ("Decode slowed as the bytes read per token grew" if falling else
             "Decode speed did not fall steadily with the bytes read per token")
-    text = (f"{head} ({speeds}); tok/s × bytes ranged {min(eff):.0f}–{max(eff):.0f} GB/s, "
+    low, high = (f"{x:.1f}" if round(min(eff)) == round(max(eff)) else f"{x:.0f}"
+                 for x in (min(eff), max(eff)))
+    text = (f"{head} ({speeds}); tok/s × bytes ranged {low}–{high} GB/s, "
             f"and the fit through the origin gives {fit['fit']['gb_s']:.1f} GB/s")
     r2 = fit["fit"]["r2"]
     text += f" (R² = {r2:.2f})." if r2 is not None else "."
@@ -152,10 +154,16 @@ def _batch_finding(a: dict) -> list[str]:
     rows = [r for r in a.get("batching") or [] if r["parallel"] > 1 and r.get("speedup")]
     if not rows:
         return []
-    r = max(rows, key=lambda r: r["parallel"])
-    return [f"{r['parallel']} sequences decoded together gave {r['speedup']:.2f}× the aggregate "
-            f"tok/s of one; each sequence still got {center(r['per_sequence_tok_s']):.1f} "
-            "tok/s."]
+    models = sorted({(r.get("model", ""), r.get("dtype", "")) for r in rows})
+    out = []
+    for key in models:
+        r = max((r for r in rows if (r.get("model", ""), r.get("dtype", "")) == key),
+                key=lambda r: r["parallel"])
+        who = f" of {r['model']}" if len(models) > 1 else ""
+        out.append(f"{r['parallel']} sequences{who} decoded together gave {r['speedup']:.2f}× "
+                   f"the aggregate tok/s of one; each sequence still got "
+                   f"{center(r['per_sequence_tok_s']):.1f} tok/s.")
+    return out
 
 
 def _kv_finding(a: dict) -> list[str]:

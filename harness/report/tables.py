@@ -11,7 +11,7 @@ from ..core.costs import (
     weights_n_bytes,
 )
 from ..core.dtypes import DTYPES
-from ..core.specs import ModelSpec, n_active_params, n_params
+from ..core.specs import ModelSpec, n_active_params, n_params, tensor_plan
 from ..core.stats import center, inverse
 from ..weights.gguf_build import file_n_bytes, table_from_plan
 
@@ -31,6 +31,7 @@ def model_row(spec: ModelSpec) -> dict:
         "n_params": n, "n_active_params": n_active_params(spec),
         "experts": ({"n_experts": spec.num_experts, "per_token": spec.num_experts_per_tok,
                      "width": spec.expert_width} if spec.is_moe else None),
+        "params_by_role": params_by_role(spec),
         "tied_embeddings": spec.tie_word_embeddings,
         "weights_n_bytes": {d: weights_n_bytes(table_from_plan(spec, DTYPES[d]))
                             for d in ("f32", "f16", "bf16")},
@@ -42,6 +43,15 @@ def model_row(spec: ModelSpec) -> dict:
         "source": spec.source,
     }
     return row
+
+
+def params_by_role(spec: ModelSpec) -> dict[str, int]:
+    """Parameters per tensor role (embedding, attention, ffn, router, expert, shared, ...):
+    which tensors are routed experts and which every token uses."""
+    out: dict[str, int] = {}
+    for t in tensor_plan(spec):
+        out[t.role] = out.get(t.role, 0) + t.n_elements
+    return out
 
 
 def models_rows(specs: dict[str, ModelSpec]) -> list[dict]:

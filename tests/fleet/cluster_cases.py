@@ -73,6 +73,9 @@ def case_two_nodes(tmp: Path, scenario: Path) -> None:
         assert sorted(p.name for p in (tmp / "f").iterdir() if p.is_dir()) == ["lab-a", "lab-b"]
         assert complete(tmp / "f" / "lab-a", 2) and complete(tmp / "f" / "lab-b", 2)
         assert "[lab-a] " in err and "[lab-b] " in err
+        assert f"harness gallery {tmp / 'f'}" in err
+        code, err = harness("gallery", str(tmp / "f"), "--out", str(tmp / "gallery"))
+        assert code == 0 and (tmp / "gallery" / "gallery.md").exists(), err
         code, err = harness("run", str(scenario), "--ray", cluster.address, "--nodes", "lab-b",
                             "--out", str(tmp / "g"))
         assert code == 0, err
