@@ -53,6 +53,27 @@ def run_cli(capsys):
     return run
 
 
+def measure_scenario(scenario: Path, tmp: Path):
+    """Run a tiny scenario in-process into tmp/run (own cache, 1 MiB probes, the noise guard
+    reading an idle machine) and return its records."""
+    from harness import runner
+    from harness.engine.results import RunWriter, read_records
+    from harness.engine.scenario import load_scenario
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HARNESS_CACHE_DIR", str(tmp / "cache"))
+    mp.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+    mp.setenv("HARNESS_PROBE_MIB", "1")
+    try:
+        plan = load_scenario(scenario, physical_cores=2)
+        with RunWriter(tmp / "run", resume=False) as writer:
+            runner.run_scenario(plan, writer, {"test": True},
+                                console=runner.Console(warn=lambda m: None, info=lambda m: None))
+    finally:
+        mp.undo()
+    return plan, read_records(tmp / "run" / "results.jsonl")
+
+
 def run_subprocess(*args: str, env: dict | None = None, timeout: float = 60) -> Result:
     """Run the real console entry point in a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,

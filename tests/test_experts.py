@@ -5,8 +5,8 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import measure_scenario
 
-from harness import runner
 from harness.core.costs import (
     TensorEntry,
     decode_weight_n_bytes,
@@ -16,8 +16,6 @@ from harness.core.costs import (
 )
 from harness.core.specs import resolve_spec
 from harness.core.stats import center
-from harness.engine.results import RunWriter, read_records
-from harness.engine.scenario import load_scenario
 from harness.report.page import render_markdown, report_data
 from harness.runner import Console
 
@@ -59,16 +57,7 @@ def test_prefill_flops_count_the_active_experts_only():
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HARNESS_CACHE_DIR", str(tmp / "cache"))
-    mp.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
-    mp.setenv("HARNESS_PROBE_MIB", "1")
-    plan = load_scenario(SCENARIO, physical_cores=2)
-    with RunWriter(tmp / "run", resume=False) as writer:
-        runner.run_scenario(plan, writer, {"test": True}, console=QUIET)
-    mp.undo()
-    return read_records(tmp / "run" / "results.jsonl")
+    return measure_scenario(SCENARIO, tmp_path_factory.mktemp("moe"))[1]
 
 
 def test_the_moe_model_record_holds_its_experts_and_active_bytes(moe_run):

@@ -6,33 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import measure_scenario
 
 from harness import runner
 from harness.core.costs import kv_n_bytes_per_token
 from harness.core.specs import ModelSpec
-from harness.engine.results import RunWriter, read_records
-from harness.engine.scenario import load_scenario
 from harness.levers.quant import composition
 from harness.levers.threads import _thread_group
 from harness.report.page import render_markdown, report_data
-from harness.runner import Console, run_scenario
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "levers.yaml"
-QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
 
 
 @pytest.fixture(scope="module")
 def levers_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("levers")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HARNESS_CACHE_DIR", str(tmp / "cache"))
-    mp.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
-    mp.setenv("HARNESS_PROBE_MIB", "1")
-    plan = load_scenario(SCENARIO, physical_cores=2)
-    with RunWriter(tmp / "run", resume=False) as writer:
-        run_scenario(plan, writer, {"test": True}, console=QUIET)
-    mp.undo()
-    return plan, read_records(tmp / "run" / "results.jsonl")
+    return measure_scenario(SCENARIO, tmp_path_factory.mktemp("levers"))
 
 
 def _by_kind(records, kind):
