@@ -310,6 +310,7 @@ def _consume(ray, state: NodeState, echo: Callable[[str], None]) -> None:
         if state.status == "running":
             state.status = "cancelled" if "Cancel" in type(exc).__name__ else "failed"
             state.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            echo(f"[{label}] {state.status}: {state.error}; the other nodes go on")
     if state.status != "done":
         state.writer.append({"type": "node_failure", "node": label,
                              "node_id": state.node.node_id, "status": state.status,
@@ -321,8 +322,10 @@ def progress_line(state: NodeState, m: dict) -> str:
     done = len(state.writer.records.measured_ids)
     rate = m.get("decode_tok_s") or m.get("prefill_tok_s") or {}
     what = "decode" if m.get("decode_tok_s") else "prefill"
+    threads = m.get("threads")
     return (f"{done}/{state.total} measured · {m['model']} {m['dtype']} "
-            f"{m.get('threads')} threads: {what} {rate.get('median', 0):.1f} tok/s")
+            f"{threads} thread{'' if threads == 1 else 's'}: {what} "
+            f"{rate.get('median', 0):.1f} tok/s")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,8 @@ def case_fault_and_resume(tmp: Path, scenario: Path) -> None:
         assert len(records.repetitions) >= kept and not records.analyses
         assert complete(out / "lab-a", 2), err
         assert "--resume" in err and "did not finish" in err
-        print(f"removed lab-b after {kept} repetition(s): {failure[0]['error'][:200]}")
+        print(f"removed lab-b after {kept} repetition(s); the driver said:")
+        print("\n".join(line for line in err.splitlines() if not line.startswith("[20")))
         cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1",
                          labels={fleet.LABEL_KEY: "lab-b"})
         cluster.wait_for_nodes()
