@@ -170,19 +170,21 @@ def _lever_fields(m) -> dict:
 def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path | None,
                resume: bool, strict: bool, cache_dir: Path | None) -> None:
     """`harness run --ray`: one run directory per node under one fleet directory."""
+    from .engine.env import physical_cores
     from .engine.results import read_records
+    from .engine.scenario import load_scenario
     from .fleet import FleetRequest, run_fleet
     from .report.files import write_report
 
-    name = yaml_name(scenario)
-    fleet_dir = out or default_run_dir(name, resume, base=Path("reports") / "fleets")
+    plan = load_scenario(scenario, physical_cores())  # bad input stops here; each node checks too
+    fleet_dir = out or default_run_dir(plan.name, resume, base=Path("reports") / "fleets")
     wanted = [w.strip() for item in nodes for w in item.split(",") if w.strip()]
     req = FleetRequest(scenario, address, wanted, fleet_dir, resume, strict, cache_dir)
     resume_cmd = (f"harness run {scenario} --ray {address} --out {fleet_dir} --resume"
                   + "".join(f" --nodes {w}" for w in wanted))
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     try:
-        states = run_fleet(req, echo)  # in this thread: Ctrl-C cancels the node tasks
+        states = run_fleet(req, plan, echo)  # in this thread: Ctrl-C cancels the node tasks
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: what the nodes sent is kept in {fleet_dir}; resume with: "
                    f"{resume_cmd}", err=True)
@@ -201,14 +203,6 @@ def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path |
         click.echo(f"{len(failed)} node(s) did not finish; continue them with: {resume_cmd}",
                    err=True)
         sys.exit(EXIT_FAILURE)
-
-
-def yaml_name(scenario: Path) -> str:
-    """The scenario's name (for the default directory), validated later on every node."""
-    from .engine.env import physical_cores
-    from .engine.scenario import load_scenario
-
-    return load_scenario(scenario, physical_cores()).name
 
 
 def default_run_dir(name: str, resume: bool, base: Path | None = None) -> Path:

@@ -377,13 +377,9 @@ def _stored_records(path: Path) -> list[dict]:
     return out
 
 
-def run_fleet(req: FleetRequest, echo: Callable[[str], None]) -> dict[str, NodeState]:
-    """Run the scenario on every chosen node; returns each node's final state. Ctrl-C
-    cancels the node tasks and keeps what arrived."""
-    from .engine.env import physical_cores
-    from .engine.scenario import load_scenario
-
-    plan = load_scenario(req.scenario, physical_cores())  # bad input stops here, exit 2
+def run_fleet(req: FleetRequest, plan, echo: Callable[[str], None]) -> dict[str, NodeState]:
+    """Run the scenario (plan: it as validated on the driver) on every chosen node; returns
+    each node's final state. Ctrl-C cancels the node tasks and keeps what arrived."""
     ray = import_ray()
     connect(ray, req.address)
     try:

@@ -91,10 +91,20 @@ def matmul_n_params_by_type(table: list[TensorEntry],
     is multiplied by its k of E experts: expert_fraction k/E of the expert tensors)."""
     out: dict[str, int] = {}
     for t in table:
-        if len(t.shape) >= 2 and t.name not in (TOKEN_EMBEDDING, OUTPUT):
-            n = round(t.n_elements * expert_fraction) if is_expert(t.name) else t.n_elements
+        n = _prompt_matmul_n_params(t.name, len(t.shape), t.n_elements, expert_fraction)
+        if n:
             out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + n
     return out
+
+
+def _prompt_matmul_n_params(name: str, n_dims: int, n_elements: int,
+                            expert_fraction: float) -> int:
+    """Of one tensor, the parameters a prompt token is multiplied by: a block matrix whole,
+    expert_fraction of the routed experts; nothing of 1-D tensors, the token embedding (a
+    lookup) or the output layer (the last token only)."""
+    if n_dims < 2 or name in (TOKEN_EMBEDDING, OUTPUT):
+        return 0
+    return round(n_elements * expert_fraction) if is_expert(name) else n_elements
 
 
 def active_expert_fraction(spec: ModelSpec) -> float:
@@ -137,9 +147,8 @@ def matmul_params_per_token(spec: ModelSpec) -> int:
     """Weights every prompt token is multiplied by: the blocks' q, k, v, o, gate, up, down
     (for a mixture of experts the router, the shared expert and k of the E experts)."""
     fraction = active_expert_fraction(spec)
-    return sum(round(t.n_elements * fraction) if t.role == "expert" else t.n_elements
-               for t in tensor_plan(spec)
-               if len(t.shape) >= 2 and t.name not in (TOKEN_EMBEDDING, OUTPUT))
+    return sum(_prompt_matmul_n_params(t.name, len(t.shape), t.n_elements, fraction)
+               for t in tensor_plan(spec))
 
 
 def prefill_flops(spec: ModelSpec, n_prompt: int) -> float:

@@ -313,9 +313,10 @@ def _moe_fields(doc: Doc, data: dict, arch: Arch) -> dict:
     if arch.experts == "required" and "num_experts" not in out:
         raise doc.error(("num_experts",), f"architecture {arch.name} is a mixture of experts",
                         fix="set num_experts and num_experts_per_tok")
-    if arch.experts == "absent" and given and not arch.multipliers:
-        raise doc.error((given[0],), f"llama.cpp's {arch.name} loader reads no experts",
-                        fix=f"remove {given[0]} or use an MoE architecture")
+    experts = [k for k in given if k in MOE_FIELDS]
+    if arch.experts == "absent" and experts:
+        raise doc.error((experts[0],), f"llama.cpp's {arch.name} loader reads no experts",
+                        fix=f"remove {experts[0]} or use an MoE architecture")
     stray = [k for k in given if k in MULTIPLIERS and not arch.multipliers]
     if stray:
         raise doc.error((stray[0],), f"{arch.name} has no {stray[0]}",
@@ -329,9 +330,9 @@ def _moe_fields(doc: Doc, data: dict, arch: Arch) -> dict:
                             f"{out['num_experts_per_tok']} experts per token exceed the "
                             f"{out['num_experts']} experts",
                             fix="set num_experts_per_tok to at most num_experts")
-    elif len(given) > len([k for k in given if k in MULTIPLIERS]):
-        raise doc.error((given[0],), "expert settings without num_experts",
-                        fix="set num_experts, or remove " + given[0])
+    elif experts:
+        raise doc.error((experts[0],), "expert settings without num_experts",
+                        fix="set num_experts, or remove " + experts[0])
     if ("shared_expert_intermediate_size" in out) != arch.shared_expert:
         key = "shared_expert_intermediate_size"
         raise doc.error((key,), f"llama.cpp's {arch.name} loader "

@@ -28,24 +28,25 @@ def expert_rows(models: dict, phases: dict) -> list[dict]:
     rows = []
     for key in sorted({(r["dtype"], r["threads"]) for r in moe}):
         group = [r for r in decode if (r["dtype"], r["threads"]) == key]
-        dense = [r for r in group if not r.get("moe")]
+        fit = _dense_fit([r for r in group if not r.get("moe")])
         for r in sorted(group, key=lambda r: (not r.get("moe"), r["model"])):
-            rows.append(_expert_row(r, models[f"{r['model']}|{r['dtype']}"], dense))
+            gb_s, basis = fit or (r["stream_ceiling"]["value"],
+                                  "ggml's streaming ceiling for its types")
+            rows.append(_expert_row(r, models[f"{r['model']}|{r['dtype']}"], gb_s, basis))
     return rows
 
 
-def _yardstick(r: dict, dense: list[dict]) -> tuple[float | None, str]:
-    if dense:
-        fit = fit_through_origin([d["bytes_per_token"] for d in dense],
-                                 [center(d["tok_s"]) for d in dense])
-        names = ", ".join(sorted(d["model"] for d in dense))
-        return fit.gb_s, f"fitted on the dense {names}"
-    return r["stream_ceiling"]["value"], "ggml's streaming ceiling for its types"
+def _dense_fit(dense: list[dict]) -> tuple[float, str] | None:
+    """The bandwidth the dense models of a group reached (their fit through the origin)."""
+    if not dense:
+        return None
+    fit = fit_through_origin([d["bytes_per_token"] for d in dense],
+                             [center(d["tok_s"]) for d in dense])
+    return fit.gb_s, f"fitted on the dense {', '.join(sorted(d['model'] for d in dense))}"
 
 
-def _expert_row(r: dict, model: dict, dense: list[dict]) -> dict:
+def _expert_row(r: dict, model: dict, gb_s: float | None, basis: str) -> dict:
     spec = model["spec"]
-    gb_s, basis = _yardstick(r, dense)
     kv_n_bytes = r["bytes_per_token"] - model["decode_weight_n_bytes"]
     file_n_bytes = model["weights_n_bytes"] + kv_n_bytes
     measured = center(r["tok_s"])

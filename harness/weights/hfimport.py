@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ..core.errors import HarnessError
-from ..core.specs import spec_from_doc
+from ..core.specs import ARCHS, MOE_FIELDS, MULTIPLIERS, spec_from_doc
 from ..core.yamlio import Doc, read_text
 
 # model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
@@ -25,13 +25,8 @@ _COPIED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
 # a sliding_window they do not use: use_sliding_window is false).
 _WINDOWED = {"gemma2", "gemma3", "phi3"}
 _WINDOW_KEYS = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
-# Experts, under either config name (Mixtral and Granite say num_local_experts).
-_EXPERT_KEYS = {"num_experts": "num_experts", "num_local_experts": "num_experts",
-                "num_experts_per_tok": "num_experts_per_tok",
-                "moe_intermediate_size": "moe_intermediate_size",
-                "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
-_GRANITE_KEYS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                 "logits_scaling")
+# Experts under the spec's names, and Mixtral's and Granite's num_local_experts.
+_EXPERT_KEYS = {k: k for k in MOE_FIELDS} | {"num_local_experts": "num_experts"}
 
 
 def spec_dict_from_config(config: dict, name: str, source: str | None, origin: str) -> dict:
@@ -50,11 +45,11 @@ def spec_dict_from_config(config: dict, name: str, source: str | None, origin: s
             raise HarnessError(f"{key} = {config[key]!r}: some layers are dense", source=origin,
                                key=key, fix="the harness builds experts in every layer; "
                                             "edit the spec by hand if that is close enough")
-    if model_type in ("mixtral", "granitemoe", "olmoe", "qwen2_moe", "qwen3_moe"):
+    if ARCHS[arch].experts != "absent":
         spec |= {ours: config[theirs] for theirs, ours in _EXPERT_KEYS.items()
                  if config.get(theirs) is not None}
-    if arch == "granitemoe":
-        spec |= {k: config[k] for k in _GRANITE_KEYS if config.get(k) is not None}
+    if ARCHS[arch].multipliers:
+        spec |= {k: config[k] for k in MULTIPLIERS if config.get(k) is not None}
     spec["attention_bias"] = bool(config.get("attention_bias", default_bias))
     if spec.get("head_dim") and spec["head_dim"] * spec.get("num_attention_heads", 0) == \
             spec.get("hidden_size"):
