@@ -140,3 +140,16 @@ def test_welch_detects_a_real_difference():
     b = {"mean": 12.0, "stdev": 0.1, "n": 5, "ci95": [11.9, 12.1]}
     assert welch_significant(a, b) is True
     assert welch_significant(a, dict(a)) is False
+
+
+def test_every_share_above_100_percent_is_explained():
+    from harness.render.tabular import ABOVE_CEILING_NOTE, ceiling_share_notes
+
+    assert ceiling_share_notes([(0.9, 0.05, False), (1.0004, 0.05, False)]) == []
+    flagged = ceiling_share_notes([(1.2, 0.05, True)])
+    assert flagged == [ABOVE_CEILING_NOTE]
+    within = ceiling_share_notes([(1.02, 0.05, False), (1.01, 0.03, False), (0.8, 0.0, False)])
+    assert len(within) == 1 and within[0].startswith("Shares of 101.0%, 102.0% exceed 100% by less "
+                                                     "than the ceiling's own spread")
+    both = ceiling_share_notes([(1.3, 0.05, True), (1.04, 0.05, False)])
+    assert both[0] == ABOVE_CEILING_NOTE and "104.0%" in both[1]

@@ -61,6 +61,22 @@ ABOVE_CEILING_NOTE = (
     "the weights. The ceiling is what was measured, not a physical bound.")
 
 
+def ceiling_share_notes(shares: list[tuple[float | None, float | None, bool]]) -> list[str]:
+    """The notes a table of shares of a ceiling needs, from (share, the ceiling's spread,
+    flagged above-ceiling) per row: why a flagged share exceeds 100%, and that an unflagged
+    one above 100% lies within what the ceiling's own probes varied by."""
+    out = [ABOVE_CEILING_NOTE] if any(flagged for _, _, flagged in shares) else []
+    within = sorted({round(s * 100, 1) for s, spread, flagged in shares
+                     if s and round(s * 100, 1) > 100 and not flagged
+                     and s <= 1 + (spread or 0)})
+    if within:
+        out.append(f"Shares of {', '.join(f'{x:.1f}%' for x in within)} exceed 100% by less "
+                   "than the ceiling's own spread (how much its probes beside the measurement "
+                   "varied): within what the ceiling can tell apart, so not flagged "
+                   "above-ceiling.")
+    return out
+
+
 _FORMATS = {
     "int": lambda v: f"{v:,}",
     "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..core.reference import check_claims
 from ..core.stats import center, inverse
 from ..levers.common import threads_label
-from ..render.tabular import ABOVE_CEILING_NOTE, Column, Table, markdown_table
+from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 from .findings import findings, main_model, rows_of
 from .page import (
     METHOD,
@@ -97,8 +97,9 @@ def size_table(data: dict) -> Table | None:
               f"- {threads_label(f['threads'])}: tok/s ≈ {f['fit']['gb_s']:.1f} GB/s ÷ GB read per "
               f"token; {f['verdict']}." for f in a["fits"]]
     notes += [line.strip() for f in a["fits"] for line in round_fit_lines(f)]
-    if any("above-ceiling" in r["flags"] for r in rows):
-        notes.append(ABOVE_CEILING_NOTE)
+    notes += ceiling_share_notes([(r["share_of_stream"], r["stream_ceiling"].get("spread"),
+                                   "above-ceiling" in r["flags"])
+                                  for r in a["decode"] if r["id"] in ids])
     return Table("size", "Decode against model size", [
         Column("model", "model"), Column("parameters", "params", "int"),
         Column("size (GiB)", "gib", "gib"), Column("read per token (GB)", "gb", "gb"),

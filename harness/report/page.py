@@ -8,7 +8,14 @@ import json
 
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
-from ..render.tabular import ABOVE_CEILING_NOTE, GIB, Column, Table, markdown_table, notes_for
+from ..render.tabular import (
+    GIB,
+    Column,
+    Table,
+    ceiling_share_notes,
+    markdown_table,
+    notes_for,
+)
 from .findings import findings, main_model
 from .tables import test_label
 
@@ -33,8 +40,9 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
              "plus causal attention (Kaplan et al. 2020). The compute peak is ggml's own "
              "matrix-matrix kernel (weights × a 512-column activation) for each of the model's "
              "matrix types, combined by their share of the FLOPs."]
-    if any("above-ceiling" in r["notes"] for r in rows):
-        notes.append(ABOVE_CEILING_NOTE)
+    notes += ceiling_share_notes([(r["share_of_peak"], r["compute_peak"].get("spread"),
+                                   "above-ceiling" in r["flags"])
+                                  for r in analysis["prefill"] if r["n_gen"] == 0])
     return Table("prefill", "Prefill: time to first token", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("prompt tokens", "n_prompt", "int"), Column("prefill time (s)", "seconds", "f3"),
@@ -71,8 +79,8 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
              "measurement. numpy read: the plain memory read of the machine (STREAM "
              "conventions), shown for comparison."]
     notes += _missing_ceiling_notes(analysis["decode"])
-    if any("above-ceiling" in r["notes"] for r in rows):
-        notes.append(ABOVE_CEILING_NOTE)
+    notes += ceiling_share_notes([(r["share_of_stream"], r["stream_ceiling"].get("spread"),
+                                   "above-ceiling" in r["flags"]) for r in analysis["decode"]])
     return Table("decode", "Decode against model size", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("size (GiB)", "size", "gib"), Column("read per token (GB)", "bytes", "gb"),
