@@ -89,11 +89,19 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
                    "harness[ray].")
 @click.option("--nodes", multiple=True, metavar="LABEL|ID",
               help="With --ray: only these nodes (labels or node ids; repeat or comma-separate).")
+@click.option("--relabel", is_flag=True,
+              help="With --ray --resume: a node that is another machine than its label's earlier "
+                   "results is recorded under a new label (LABEL.2, ...) instead of refused.")
 def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
-        cache_dir: Path | None, ray_address: str | None, nodes: tuple[str, ...]) -> None:
+        cache_dir: Path | None, ray_address: str | None, nodes: tuple[str, ...],
+        relabel: bool) -> None:
     """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
+    if relabel and not (ray_address and resume):
+        raise HarnessError("--relabel renames resumed fleet nodes that are other machines",
+                           key="--relabel", fix="use it with --ray ADDRESS --resume, or drop it")
     if ray_address:
-        return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir)
+        return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir,
+                          relabel)
     if nodes:
         raise HarnessError("--nodes chooses nodes of a Ray cluster", key="--nodes",
                            fix="add --ray ADDRESS (or --ray local), or drop --nodes")
@@ -168,7 +176,7 @@ def _lever_fields(m) -> dict:
 
 
 def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path | None,
-               resume: bool, strict: bool, cache_dir: Path | None) -> None:
+               resume: bool, strict: bool, cache_dir: Path | None, relabel: bool) -> None:
     """`harness run --ray`: one run directory per node under one fleet directory."""
     from .engine.env import physical_cores
     from .engine.results import read_records
@@ -179,9 +187,10 @@ def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path |
     plan = load_scenario(scenario, physical_cores())  # bad input stops here; each node checks too
     fleet_dir = out or default_run_dir(plan.name, resume, base=Path("reports") / "fleets")
     wanted = [w.strip() for item in nodes for w in item.split(",") if w.strip()]
-    req = FleetRequest(scenario, address, wanted, fleet_dir, resume, strict, cache_dir)
+    req = FleetRequest(scenario, address, wanted, fleet_dir, resume, strict, cache_dir,
+                       relabel)
     resume_cmd = (f"harness run {scenario} --ray {address} --out {fleet_dir} --resume"
-                  + "".join(f" --nodes {w}" for w in wanted))
+                  + "".join(f" --nodes {w}" for w in wanted) + (" --relabel" if relabel else ""))
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     try:
         states = run_fleet(req, plan, echo)  # in this thread: Ctrl-C cancels the node tasks

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import __version__
 from .core.errors import HarnessError
 from .engine.measure import now_iso
-from .engine.results import RESULTS_FILE, Records, RunWriter, file_record
+from .engine.results import RESULTS_FILE, Records, RunWriter, file_record, read_records
 
 LABEL_KEY = "harness-label"  # a Ray node label (ray start --labels) naming the node's run dir
 INSTALL_FIX = "install it with: pip install 'harness[ray]'"
@@ -73,6 +73,32 @@ def version_mismatch(own: dict, expected: dict) -> str | None:
     return ", ".join(diff) or None
 
 
+IDENTITY_KEYS = ("hostname", "cpu_model", "physical_cores", "ram_total_bytes", "ggml_commit")
+RAM_TOLERANCE = 0.01  # the kernel's reserved memory moves total RAM by megabytes between boots
+
+
+def machine_identity(env: dict) -> dict:
+    """What makes a node the same machine as before: host, CPU, cores, RAM, ggml commit."""
+    return {k: env.get(k) for k in IDENTITY_KEYS[:-1]} | {
+        "ggml_commit": (env.get("llama") or {}).get("ggml_commit")}
+
+
+def identity_differences(now: dict, before: dict) -> list[str]:
+    """What differs between two machine identities, each as 'key now (was before)'."""
+    out = []
+    for key in IDENTITY_KEYS:
+        a, b = now.get(key), before.get(key)
+        if key == "ram_total_bytes" and a and b and abs(a - b) <= RAM_TOLERANCE * b:
+            continue
+        if a != b:
+            out.append(f"{key} {_shown(key, a)} (was {_shown(key, b)})")
+    return out
+
+
+def _shown(key: str, value: object) -> object:
+    return f"{value / 2**30:.1f} GiB" if key == "ram_total_bytes" and value else value
+
+
 def _load_plan(scenario_text: str, scenario_path: str):
     """The shipped scenario, validated on this node (threads: auto follows its own cores),
     recorded under the driver's path."""
@@ -93,9 +119,10 @@ def _load_plan(scenario_text: str, scenario_path: str):
 def node_check(scenario_text: str, scenario_path: str, expected: dict,
                cache_dir: str | None) -> dict:
     """On a node: refuse other versions, validate and preflight the scenario there."""
+    from .engine.env import collect_env
     from .runner import preflight
 
-    info = {"hostname": socket.gethostname()}
+    info = {"hostname": socket.gethostname(), "identity": machine_identity(collect_env())}
     mismatch = version_mismatch(versions(), expected)
     if mismatch:
         return info | {"ok": False, "error": f"other versions here: {mismatch}",
@@ -252,8 +279,9 @@ def _on_node(ray, node: Node, fn: Callable, **options):
 
 
 def check_nodes(ray, nodes: list[Node], scenario: Path, expected: dict,
-                cache_dir: Path | None) -> None:
-    """Refuse the run (exit 2) if any chosen node has other versions or fails preflight."""
+                cache_dir: Path | None) -> dict[str, dict]:
+    """Refuse the run (exit 2) if any chosen node has other versions or fails preflight;
+    returns each node's machine identity by label."""
     text = scenario.read_text(encoding="utf-8")
     refs = [_on_node(ray, n, node_check, num_cpus=0).remote(
         text, str(scenario), expected, str(cache_dir) if cache_dir else None) for n in nodes]
@@ -267,6 +295,48 @@ def check_nodes(ray, nodes: list[Node], scenario: Path, expected: dict,
         if not result["ok"]:
             raise HarnessError(f"node {n.label} ({result['hostname']}) refused: "
                                f"{result['error']}", key="--ray", fix=result["fix"])
+    return {n.label: result["identity"] for n, result in zip(nodes, results, strict=True)}
+
+
+def same_machines(nodes: list[Node], identities: dict[str, dict], req: FleetRequest,
+                  echo: Callable[[str], None]) -> list[Node]:
+    """On --resume, every node must be the machine its label's earlier records came from: a
+    different one is refused (exit 2) or, with --relabel, recorded under a new label."""
+    out = []
+    for n in nodes:
+        ident = identities[n.label]
+        before = stored_identity(req.fleet_dir / n.label) if req.resume else None
+        diff = identity_differences(ident, before) if before else []
+        if not diff:
+            out.append(n)
+            continue
+        if not req.relabel:
+            raise HarnessError(f"node {n.label} is not the machine its earlier results came "
+                               f"from: {', '.join(diff)}", key="--resume",
+                               fix=f"rejoin that machine as {n.label}, or pass --relabel to "
+                                   "record this one under a new label")
+        label = _new_label(req.fleet_dir, n.label, ident)
+        echo(f"[{n.label}] another machine than before ({', '.join(diff)}): recorded as {label}")
+        out.append(replace(n, label=label))
+    return out
+
+
+def stored_identity(run_dir: Path) -> dict | None:
+    """The machine a run directory's records came from (its header's), or None if empty."""
+    path = run_dir / RESULTS_FILE
+    header = read_records(path).header if path.exists() else None
+    return machine_identity(header["env"]) if header else None
+
+
+def _new_label(fleet_dir: Path, label: str, ident: dict) -> str:
+    """LABEL.2, LABEL.3, ...: the first that holds this machine's records or none at all."""
+    for i in range(2, 10_000):
+        candidate = f"{label}.{i}"
+        before = stored_identity(fleet_dir / candidate)
+        if before is None or not identity_differences(ident, before):
+            return candidate
+    raise HarnessError(f"no free label after {label}", key="--relabel",
+                       fix="choose another --out")
 
 
 def read_fleet(fleet_dir: Path) -> dict:
@@ -300,10 +370,10 @@ def _consume(ray, state: NodeState, echo: Callable[[str], None]) -> None:
                      f"{item['text']}")
             elif kind == "node_error":
                 state.status, state.error = "failed", item["error"]
-            else:
-                state.writer.append(item)
-                if kind == "measurement":
-                    echo(f"[{label}] {progress_line(state, item)}")
+            elif not _store(ray, state, item, echo):
+                break
+            elif kind == "measurement":
+                echo(f"[{label}] {progress_line(state, item)}")
         if state.status == "running":
             state.status = "done"
     except Exception as exc:  # Ray's errors for a dead node, worker or cancelled task
@@ -312,9 +382,30 @@ def _consume(ray, state: NodeState, echo: Callable[[str], None]) -> None:
             state.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
             echo(f"[{label}] {state.status}: {state.error}; the other nodes go on")
     if state.status != "done":
-        state.writer.append({"type": "node_failure", "node": label,
-                             "node_id": state.node.node_id, "status": state.status,
-                             "error": state.error, "at": now_iso()})
+        try:
+            state.writer.append({"type": "node_failure", "node": label,
+                                 "node_id": state.node.node_id, "status": state.status,
+                                 "error": state.error, "at": now_iso()})
+        except Exception as exc:  # noqa: BLE001 - the disk that failed may fail again
+            echo(f"[{label}] its failure could not be recorded either ({exc})")
+
+
+def _store(ray, state: NodeState, item: dict, echo: Callable[[str], None]) -> bool:
+    """Append one streamed record; if that fails, cancel the node's task (its later records
+    would be lost), keep what was written, say so, and return False."""
+    try:
+        state.writer.append(item)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a full disk, a removed directory, ...
+        ray.cancel(state.task, force=True)
+        kept = state.writer.records
+        state.status = "failed"
+        state.error = (f"could not append its records to {state.writer.path} "
+                       f"({type(exc).__name__}: {exc}); its task is cancelled, and the "
+                       f"{len(kept.measured_ids)} measurements and {len(kept.repetitions)} "
+                       "repetitions written before are kept")
+        echo(f"[{state.node.label}] failed: {state.error}; the other nodes go on")
+        return False
 
 
 def progress_line(state: NodeState, m: dict) -> str:
@@ -339,6 +430,7 @@ class FleetRequest:
     resume: bool
     strict: bool
     cache_dir: Path | None
+    relabel: bool = False  # on --resume, a different machine under an old label gets a new one
 
 
 def start_nodes(ray, req: FleetRequest, nodes: list[Node], total: int) -> dict[str, NodeState]:
@@ -385,7 +477,8 @@ def run_fleet(req: FleetRequest, plan, echo: Callable[[str], None]) -> dict[str,
     try:
         nodes = select_nodes(alive_nodes(ray.nodes()), req.nodes)
         missing = _absent_labels(req, nodes)
-        check_nodes(ray, nodes, req.scenario, versions(), req.cache_dir)
+        identities = check_nodes(ray, nodes, req.scenario, versions(), req.cache_dir)
+        nodes = same_machines(nodes, identities, req, echo)
         req.fleet_dir.mkdir(parents=True, exist_ok=True)
         states = start_nodes(ray, req, nodes, len(plan.measurements))
         echo(f"{plan.title}: {len(plan.measurements)} measurements on each of {len(nodes)} "

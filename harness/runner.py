@@ -217,8 +217,8 @@ class _Rounds:
         try:
             active = self._load()
             self.clock = time.monotonic()  # the budget counts rounds, not loading the models
-            round_index = self._first_round(active)
-            if round_index:  # resumed: cells whose repetitions were all done leave first
+            round_index, resumed = self._first_round(active)
+            if resumed:  # cells whose repetitions were all done leave first
                 active = self._finish(active, round_index - 1)
             while active:
                 self._round(round_index, active)
@@ -249,15 +249,17 @@ class _Rounds:
                                                 self.infos[key]["decode_type_n_bytes"])
         return [m for m in self.todo if m.model.key in self.models]
 
-    def _first_round(self, active: list[Measurement]) -> int:
-        """Where a resumed run goes on: the last round if some active cell still lacks its
-        repetition there, else the one after (0 for a new run)."""
+    def _first_round(self, active: list[Measurement]) -> tuple[int, bool]:
+        """Where this group's rounds begin, and whether it is resumed: a group with
+        repetitions goes on at its last round if a cell still lacks its repetition there
+        (else the one after); a new group numbers on after every round the run has had, so
+        cells of two RAM groups never share a round number (and are never paired)."""
         rounds = [r["round"] for reps in self.reps.values() for r in reps]
         if not rounds:
-            return 0
+            return 1 + max((r["round"] for r in self.writer.records.rounds), default=-1), False
         last = max(rounds)
         missing = any(all(r["round"] != last for r in self.reps[m.id]) for m in active)
-        return last if missing else last + 1
+        return (last if missing else last + 1), True
 
     def _round(self, round_index: int, active: list[Measurement]) -> None:
         order = round_order([m.id for m in active], self.scenario.seed, round_index)
@@ -426,7 +428,7 @@ def _spec_of(ref: ModelRef) -> ModelSpec:
 
 def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
     """KV cache + an upper estimate of llama.cpp's compute buffers (the weights come on top)."""
-    n_ctx = m.n_ctx
+    n_ctx = m.n_ctx_total
     kv = kv_n_bytes_per_token(spec, m.kv_type, m.kv_type) * n_ctx
     # Activations of one ubatch: attention scores, FFN intermediates, the residual stream, and
     # one row of logits, in F32 (what llama.cpp's graph allocator reserves, within ~2x).

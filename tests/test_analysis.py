@@ -222,7 +222,7 @@ def test_round_fits_cancel_drift_and_give_each_model_its_residual():
     n_bytes, off = [1e9, 2e9, 4e9], [1.0, 0.9, 1.0]
     rows = []
     for i, (b, k) in enumerate(zip(n_bytes, off, strict=True)):
-        rates = [[r, 30e9 / b * k * (0.8 if r % 2 else 1.0)] for r in range(8)]
+        rates = [[[0, r], 30e9 / b * k * (0.8 if r % 2 else 1.0)] for r in range(8)]
         rows.append(_row(f"m{i}", b, rates[0][1]) | {"round_rates": rates})
     (f,) = fit_verdicts(rows)
     per_round = f["round_fit_gb_s"]
@@ -232,5 +232,15 @@ def test_round_fits_cancel_drift_and_give_each_model_its_residual():
                                                                           strict=True)])
     assert ratios == pytest.approx([30e9 / b * k / (expected.gb_s * 1e9 / b)
                                     for b, k in zip(n_bytes, off, strict=True)])
-    assert fit_verdicts([r | {"round_rates": r["round_rates"][:1]} for r in rows])[0].get(
-        "round_fit_gb_s") is None  # one common round: nothing to summarize
+    one = fit_verdicts([r | {"round_rates": r["round_rates"][:1]} for r in rows])[0]
+    assert one.get("round_fit_gb_s") is None and one["round_fit_unpaired"] == 1
+    # the last model in another RAM group: its blocks are (1, round), so nothing pairs, and
+    # the page says why the fit is not redone round by round
+    apart = [*rows[:2], rows[2] | {"round_rates": [[[1, r], x] for (_, r), x
+                                                   in rows[2]["round_rates"]]}]
+    (f,) = fit_verdicts(apart)
+    assert "round_fit_gb_s" not in f and f["round_fit_unpaired"] == 0
+    from harness.report.page import round_fit_lines
+
+    (line,) = round_fit_lines(f)
+    assert "Not redone round by round" in line and "in 0 rounds" in line

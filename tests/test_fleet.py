@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,97 @@ def test_node_run_streams_records_that_make_a_local_run(tmp_path, monkeypatch):
     assert set(streamed.measurements[0]) == set(plain.measurements[0])
 
 
+IDENTITY = {"hostname": "lab", "cpu_model": "EPYC", "physical_cores": 2,
+            "ram_total_bytes": 24 * 2**30, "ggml_commit": "0c1e570"}
+
+
+def test_a_machine_is_known_by_host_cpu_cores_ram_and_ggml():
+    env = {k: v for k, v in IDENTITY.items() if k != "ggml_commit"} | {
+        "llama": {"ggml_commit": "0c1e570"}, "ram_available_bytes": 1}
+    assert fleet.machine_identity(env) == IDENTITY
+    # the kernel's reserved memory moves total RAM a little between boots of one machine
+    assert fleet.identity_differences(IDENTITY | {"ram_total_bytes": 24 * 2**30 - 2**26},
+                                      IDENTITY) == []
+    said = fleet.identity_differences(IDENTITY | {"hostname": "pi", "ram_total_bytes": 2**33},
+                                      IDENTITY)
+    assert said == ["hostname pi (was lab)", "ram_total_bytes 8.0 GiB (was 24.0 GiB)"]
+    assert fleet.identity_differences(IDENTITY | {"ggml_commit": "abc"}, IDENTITY) == [
+        "ggml_commit abc (was 0c1e570)"]
+
+
+def _stored_header(run_dir: Path, identity: dict) -> None:
+    env = identity | {"llama": {"ggml_commit": identity["ggml_commit"]}}
+    run_dir.mkdir(parents=True)
+    header = {"type": "header", "scenario": {}, "env": env}
+    (run_dir / "results.jsonl").write_text(json.dumps(header) + "\n")
+
+
+def test_a_resumed_label_on_another_machine_is_refused_or_relabelled(tmp_path):
+    _stored_header(tmp_path / "lab-0", IDENTITY)
+    _stored_header(tmp_path / "lab-0.2", IDENTITY | {"hostname": "third"})
+    nodes = [fleet.Node("a" * 56, "lab-0", "pi", 2.0)]
+    req = fleet.FleetRequest(SCENARIO, "auto", [], tmp_path, True, False, None)
+    said = []
+    assert fleet.same_machines(nodes, {"lab-0": IDENTITY}, req, said.append) == nodes
+    other = IDENTITY | {"hostname": "pi", "cpu_model": "Xeon"}
+    with pytest.raises(HarnessError) as info:
+        fleet.same_machines(nodes, {"lab-0": other}, req, said.append)
+    text = info.value.render()
+    assert "node lab-0 is not the machine" in text and "hostname pi (was lab)" in text
+    assert "cpu_model Xeon (was EPYC)" in text and "--relabel" in text
+    relabel = replace(req, relabel=True)
+    (moved,) = fleet.same_machines(nodes, {"lab-0": other}, relabel, said.append)
+    assert moved.label == "lab-0.3"  # lab-0.2 holds a third machine's records
+    assert said == ["[lab-0] another machine than before (hostname pi (was lab), cpu_model "
+                    "Xeon (was EPYC)): recorded as lab-0.3"]
+    assert fleet.same_machines(nodes, {"lab-0": IDENTITY | {"hostname": "third"}}, relabel,
+                               said.append)[0].label == "lab-0.2"  # found again where it was
+    fresh = replace(req, resume=False)  # a new run checks nothing against old records
+    assert fleet.same_machines(nodes, {"lab-0": other}, fresh, said.append) == nodes
+
+
+class _FakeRay:
+    def __init__(self):
+        self.cancelled = []
+
+    def get(self, ref):
+        return ref
+
+    def cancel(self, ref, force=False):
+        self.cancelled.append((ref, force))
+
+
+def test_a_failed_append_cancels_the_node_task_and_keeps_what_was_written(tmp_path,
+                                                                         monkeypatch):
+    ray = _FakeRay()
+    writer = RunWriter(tmp_path / "lab-0", resume=False)
+    real, calls = writer.append, []
+
+    def append(record):
+        calls.append(record["type"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(record)
+
+    monkeypatch.setattr(writer, "append", append)
+    items = [{"type": "header", "scenario": {}, "n": 1},
+             {"type": "repetition", "id": "x", "round": 0, "rep": {}},
+             {"type": "repetition", "id": "y"}]
+    task = iter(items)
+    state = fleet.NodeState(fleet.Node("a" * 56, "lab-0", "pi", 2.0), writer, 2, task=task)
+    said = []
+    fleet._consume(ray, state, said.append)
+    writer.close()
+    assert ray.cancelled == [(task, True)]
+    assert state.status == "failed" and "No space left on device" in state.error
+    assert "its task is cancelled" in state.error and "written before are kept" in state.error
+    assert said == [f"[lab-0] failed: {state.error}; the other nodes go on"]
+    assert calls == ["header", "repetition", "node_failure"]  # nothing after the failure
+    kept = read_records(tmp_path / "lab-0" / "results.jsonl")
+    assert kept.header["n"] == 1
+    assert [r["type"] for r in kept.other] == ["node_failure"]
+
+
 def runner_local(out: Path) -> int:
     proc = subprocess.run([sys.executable, "-m", "harness", "run", str(SCENARIO), "--out",
                            str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -113,7 +205,7 @@ def _namespace_ok() -> str | None:
 
 
 @pytest.mark.parametrize("case", ["local", "two_nodes", "refusals", "fault_and_resume",
-                                  "interrupt"])
+                                  "interrupt", "replaced_machine", "writer_failure"])
 def test_cluster_case(case, tmp_path):
     why = _namespace_ok()
     if why:

@@ -39,7 +39,7 @@ def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run)
     _, records = levers_run
     deep = [m for m in records.measurements if m["depth"]]
     assert {(m["depth"], m["kv_type"]) for m in deep} == {(64, "f16"), (64, "q8_0")} and \
-        all(m["id"].split("|")[8] == "d64" for m in deep)
+        all(m["id"].split("|")[9] == "d64" for m in deep)
     for m in deep:
         assert m["setup"]["depth_fill_s"] > 0
         assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
@@ -54,6 +54,27 @@ def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run)
             # the counters were reset after the fill: only the timed decode is in them
             # (llama_perf_context reports a count of 0 as 1)
             assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] <= 1
+
+
+def test_every_context_is_the_one_its_id_names(levers_run):
+    """Each record carries the context its cell ran in, as llama.cpp made it (the cell is
+    refused otherwise): cells per sequence in whole blocks of 256, one share per sequence
+    (a depth test's baseline too) or one unified cache for a prefix test; llama.cpp clamps
+    n_batch and n_ubatch to the whole context, and the record says what they became."""
+    plan, records = levers_run
+    planned = {m.id: m for m in plan.measurements}
+    assert len(records.measurements) == len(planned)
+    for r in records.measurements:
+        m = planned[r["id"]]
+        assert f"|ctx{r['n_ctx']}|" in r["id"] and r["n_ctx"] % 256 == 0
+        assert r["n_ctx"] >= m.n_cells_needed and r["n_ctx"] - m.n_cells_needed < 256
+        shares = 1 if r["kind"] == "prefix_cache" else r["n_seq_max"]
+        assert (r["n_ctx_total"], r["n_seq_max"]) == (r["n_ctx"] * shares, m.n_seq_max)
+        assert r["setup"]["n_batch_used"] == min(r["n_ctx_total"], r["n_batch"])
+        assert r["setup"]["n_ubatch_used"] == min(r["setup"]["n_batch_used"], r["n_ubatch"])
+    kinds = {(r["kind"], bool(r["depth"])) for r in records.measurements}
+    assert kinds >= {("single", False), ("single", True), ("batched", False),
+                     ("prefix_cache", False)}
 
 
 def test_kv_cache_type_is_in_the_id_only_when_not_the_default(levers_run):

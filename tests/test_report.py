@@ -153,3 +153,21 @@ def test_every_share_above_100_percent_is_explained():
                                                      "than the ceiling's own spread")
     both = ceiling_share_notes([(1.3, 0.05, True), (1.04, 0.05, False)])
     assert both[0] == ABOVE_CEILING_NOTE and "104.0%" in both[1]
+
+
+def test_compare_never_pairs_cells_run_at_other_contexts():
+    """The same cell at another n_ctx (or from a run before contexts were recorded) is named,
+    not compared: the context alone changes prefill speed."""
+    _, full = load_run(RUNS / "tiny")
+    _, other = load_run(RUNS / "tiny")
+    first = other.measurements[0]
+    base, _, rest = first["id"].partition("|pp")
+    first["id"] = f"{base}|ctx512|pp{rest}"
+    _, mine = load_run(RUNS / "tiny")
+    mine.measurements[0]["id"] = f"{base}|ctx256|pp{rest}"
+    c = compare_runs([("mine", mine), ("other", other), ("old", full)])
+    row = next(r for r in c["rows"] if r["id"] == mine.measurements[0]["id"])
+    assert [o["summary"] for o in row["others"]] == [None, None]
+    assert [o["other_context"] for o in row["others"]] == ["n_ctx 512", "n_ctx not recorded"]
+    text = render_compare_markdown(c)
+    assert "only at n_ctx 512 | not compared" in text and "same context size" in text

@@ -283,3 +283,46 @@ def test_strict_aborts_on_noise(tmp_path, monkeypatch, run_cli):
     r = run_cli("run", str(SCENARIO), "--out", str(tmp_path / "r"), "--strict")
     assert r.exit_code == 3
     assert "other processes are using 1.50 cores" in r.stderr and "--resume" in r.stderr
+
+
+def test_rounds_run_on_across_ram_groups_and_never_pair_across_them(tmp_path, monkeypatch):
+    """Models that do not fit in RAM together are measured group after group: the second
+    group's rounds number on after the first's, so no comparison pairs a repetition with one
+    measured minutes apart in another group; such a comparison is unpaired and says so."""
+    from harness.levers.common import round_ratio
+    from harness.report.analyze import with_ram_groups
+    from harness.report.files import analysis_of
+    from harness.report.page import render_markdown, report_data
+
+    fast_noise(monkeypatch)
+    plan = load_scenario(SCENARIO, physical_cores=1)
+    needs = dict(runner._memory_by_model(list(plan.measurements), all_contexts=True))
+    monkeypatch.setattr(runner, "available_ram_bytes", lambda: max(needs.values()) + 1)
+    _, records = run(tmp_path)
+    (grouping,) = [r for r in records.other if r["type"] == "grouping"]
+    groups = grouping["groups"]
+    assert len(groups) >= 2
+    spans = [sorted({rnd for m in records.measurements if m["model_key"] in keys
+                     for rnd in m["samples"]["rounds"]}) for keys in groups]
+    assert spans == [list(range(3 * i, 3 * i + 3)) for i in range(len(groups))]
+    assert [r["round"] for r in records.rounds] == list(range(3 * len(groups)))
+    stamped = with_ram_groups(records.measurements, records.other)
+    first = [m for m in stamped if m["model_key"] in groups[0] and m["n_gen"]]
+    other = [m for m in stamped if m["model_key"] in groups[1] and m["n_gen"]]
+    assert {m["ram_group"] for m in first} == {0} and {m["ram_group"] for m in other} == {1}
+    across = round_ratio(other[0], first[0], "decode")
+    assert across["paired"] is False and "median_ci95" not in across
+    assert across["why"] == "they shared fewer than 2 rounds (other RAM groups)"
+    same = [m for m in stamped if m["model_key"] == first[0]["model_key"]]
+    assert round_ratio(same[0], same[1], "prefill")["paired"] is True
+    # an older run numbered every group's rounds from 0: the group still keeps them apart
+    old = [m | {"samples": m["samples"] | {"rounds": [r % 3 for r in m["samples"]["rounds"]]}}
+           for m in stamped]
+    assert round_ratio(old[stamped.index(other[0])], old[stamped.index(first[0])],
+                       "decode")["paired"] is False
+    report = render_markdown(report_data(records, analysis_of(records)))
+    for key in ("tiny-qwen2|f32", "tiny-qwen2|q8_0"):
+        assert key in needs
+    split = next(i for i, keys in enumerate(groups) if "tiny-qwen2|q8_0" in keys) != next(
+        i for i, keys in enumerate(groups) if "tiny-qwen2|f32" in keys)
+    assert ("shared fewer than 2 rounds (other RAM groups)" in report) == split

@@ -46,7 +46,64 @@ def test_cross_product_and_defaults(tmp_path):
 
 def test_scalars_are_lists_of_one(tmp_path):
     s = load_scenario(write(tmp_path, BASE.replace("[tiny-qwen2]", "tiny-qwen2")), 2)
-    assert len(s.measurements) == 1 and s.measurements[0].n_ctx == 12
+    assert len(s.measurements) == 1 and s.measurements[0].n_seq_ctx == 12
+    assert s.measurements[0].n_ctx == 256  # rounded up as deployments size contexts
+
+
+def test_contexts_are_whole_blocks_of_256_per_sequence(tmp_path):
+    """Every context is its sequences' tokens rounded up to 256 cells each (a depth test's
+    baseline and a batch's sequences each get a share; a prefix test's unified cache holds
+    the prefix and two copies of the question); the id names it."""
+    from harness.engine.measure import context_params
+
+    s = load_scenario(write(tmp_path, """\
+        name: ctx
+        models: [tiny-qwen2]
+        tests:
+          - {prompt: [64, 72, 80, 250, 300], generate: 0}
+          - {prompt: 64, generate: 16, depth: 512}
+          - {prompt: 64, generate: 16, parallel: 4}
+          - {prompt: 64, shared_prefix: 1000}
+        """), 2)
+    got = {(m.kind, m.n_prompt, m.depth, m.parallel): (m.n_ctx, m.n_ctx_total, m.n_seq_max)
+           for m in s.measurements}
+    assert got == {("single", 64, 0, 1): (256, 256, 1), ("single", 72, 0, 1): (256, 256, 1),
+                   ("single", 80, 0, 1): (256, 256, 1), ("single", 250, 0, 1): (256, 256, 1),
+                   ("single", 300, 0, 1): (512, 512, 1),
+                   ("single", 64, 512, 1): (768, 1536, 2),
+                   ("batched", 64, 0, 4): (256, 1024, 4),
+                   ("prefix_cache", 64, 0, 1): (1280, 1280, 2)}
+    assert [m.id.split("|")[6] for m in s.measurements[:5]] == ["ctx256"] * 4 + ["ctx512"]
+    params = {m.kind: context_params(m) for m in s.measurements}
+    assert (params["batched"].n_ctx, params["batched"].n_seq_max,
+            params["batched"].kv_unified) == (1024, 4, False)
+    assert (params["prefix_cache"].n_ctx, params["prefix_cache"].kv_unified) == (1280, True)
+
+
+def test_n_ctx_is_set_at_the_top_or_per_test_and_names_the_cell(tmp_path):
+    s = load_scenario(write(tmp_path, """\
+        name: ctx
+        models: [tiny-qwen2]
+        n_ctx: 1024
+        tests:
+          - {prompt: 64, generate: 16}
+          - {prompt: 64, generate: 16, n_ctx: 256}
+          - {prompt: 64, generate: 16, parallel: 2, n_ctx: 512, name: batch}
+        """), 2)
+    a, b, c = s.measurements
+    assert (a.n_ctx, b.n_ctx, c.n_ctx, c.n_ctx_total) == (1024, 256, 512, 1024)
+    assert a.id != b.id and "|ctx1024|" in a.id and "|ctx256|" in b.id  # never paired
+
+
+@pytest.mark.parametrize("text, words", [
+    ("n_ctx: 300", "not a multiple of 256"),
+    ("n_ctx: 0", "too small"),
+    ("n_ctx: 4096", "exceeds tiny-qwen2's context length 2,048"),
+])
+def test_bad_n_ctx_is_refused(tmp_path, text, words):
+    with pytest.raises(HarnessError) as info:
+        load_scenario(write(tmp_path, BASE.replace("tests:", f"{text}\ntests:")), 2)
+    assert words in info.value.render() and "n_ctx" in info.value.render()
 
 
 def test_flash_attn_and_spec_file_models(tmp_path, request):
@@ -107,7 +164,7 @@ def test_validation_errors_name_file_line_and_key(tmp_path, text, key, words, li
         assert info.value.line == line, message
 
 
-def test_lever_keys_expand_and_default_ids_stay_the_same(tmp_path):
+def test_lever_keys_expand_and_ids_name_every_setting(tmp_path):
     s = load_scenario(write(tmp_path, """\
         name: t
         models: [tiny-qwen2]
@@ -120,11 +177,13 @@ def test_lever_keys_expand_and_default_ids_stay_the_same(tmp_path):
         """), physical_cores=3)
     assert sorted({m.settings.threads for m in s.measurements}) == [1, 2, 3]
     plain = s.measurements[0]
-    assert plain.id == "tiny-qwen2|f32|t1|b2048|ub512|fa-auto|pp8|tg4" and plain.kind == "single"
+    assert (plain.id == "tiny-qwen2|f32|t1|b2048|ub512|fa-auto|ctx256|pp8|tg4"
+            and plain.kind == "single")
     deep = [m for m in s.measurements if m.depth == 64 and m.kv_type == "q8_0"]
-    assert len(deep) == 3 and deep[0].id.endswith("|d64|kv-q8_0") and deep[0].n_ctx == 2 * 68
+    assert len(deep) == 3 and deep[0].id.endswith("|d64|kv-q8_0")
+    assert (deep[0].n_ctx, deep[0].n_ctx_total) == (256, 2 * 256)
     batched = [m for m in s.measurements if m.parallel == 4]
-    assert batched[0].kind == "batched" and batched[0].n_ctx == 4 * 8
+    assert batched[0].kind == "batched" and batched[0].n_ctx_total == 4 * 256
     prefix = [m for m in s.measurements if m.shared_prefix][0]
     assert prefix.kind == "prefix_cache" and prefix.id.endswith("|px128")
     assert prefix.n_seq_ctx == 136

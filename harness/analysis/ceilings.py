@@ -97,3 +97,13 @@ def rep_rates(m: dict, phase: str) -> list[float | None]:
         return [n / sum(d) if d and sum(d) > 0 else None for d in samples.get("decode_s", [])]
     n = m.get("parallel", 1) * (m.get("shared_prefix", 0) + m["n_prompt"])
     return [n / t if t else None for t in samples.get("prefill_s", [])]
+
+
+def round_rates(m: dict, phase: str) -> dict[tuple[int, int], float]:
+    """Each repetition's rate keyed by its block, (RAM group, round): only cells of one group
+    ran side by side, so only they pair (runs before rounds ran on across groups numbered
+    each group's rounds from 0)."""
+    rounds = (m.get("samples") or {}).get("rounds") or []
+    group = m.get("ram_group", 0)
+    return {(group, r): x for r, x in zip(rounds, rep_rates(m, phase), strict=False)
+            if r is not None and x}

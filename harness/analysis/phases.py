@@ -23,6 +23,7 @@ from .ceilings import (
     combined_ceiling,
     is_plain,
     rep_rates,
+    round_rates,
     span,
 )
 
@@ -85,9 +86,8 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "share_of_read": effective / read["value"] if read["value"] else None,
             "paired_read_ratio": paired_read_ratio(m, n_bytes), "flags": flags,
             "noise": m.get("noise"),
-            "round_rates": [[r, x] for r, x in zip(m["samples"].get("rounds") or [],
-                                                   rep_rates(m, "decode"), strict=False)
-                            if r is not None and x],
+            # [[RAM group, round], tok/s] of every repetition: the blocks the fit pairs
+            "round_rates": [[list(k), x] for k, x in round_rates(m, "decode").items()],
         })
     return rows
 
@@ -204,11 +204,12 @@ def fit_verdicts(rows: list[dict]) -> list[dict]:
 def round_fits(group: list[dict]) -> dict:
     """The fit redone in every round in which all of the group's models decoded, so drift
     between rounds cancels: the fitted GB/s with its CI over rounds, and each model's
-    measured ÷ fitted tok/s (its residual as a ratio) with its CI. Empty under 2 rounds."""
-    by_round = [dict(r.get("round_rates") or []) for r in group]
+    measured ÷ fitted tok/s (its residual as a ratio) with its CI. Under 2 such rounds, the
+    reason the fit stays unpaired."""
+    by_round = [{tuple(k): x for k, x in r.get("round_rates") or []} for r in group]
     common = sorted(set.intersection(*(set(d) for d in by_round)))
     if len(common) < 2:
-        return {}
+        return {"round_fit_unpaired": len(common)} if all(by_round) else {}
     n_bytes = [r["bytes_per_token"] for r in group]
     fits, ratios = [], [[] for _ in group]
     for rnd in common:

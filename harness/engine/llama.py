@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 import time
@@ -109,6 +110,22 @@ def version_info() -> dict:
     }
 
 
+AMX_REBUILD = ("CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' "
+               "pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python "
+               "(make setup does this)")
+
+
+@functools.lru_cache(maxsize=1)
+def build_problem() -> str | None:
+    """Why this llama.cpp build cannot measure, or None: ggml's AMX kernels (compiled in by
+    -march=native on Sapphire Rapids-class CPUs) segfault in the first multi-token matrix
+    product of Q8_0 weights here (llama.cpp issue #20824, open at the pinned commit)."""
+    _init()
+    if "AMX_INT8 = 1" in L.llama_print_system_info().decode():
+        return "this llama.cpp was built with ggml's AMX kernels, which crash on quantized weights"
+    return None
+
+
 def quantize(src: Path, dst: Path, file_type: int, n_threads: int = 0) -> None:
     """Run llama.cpp's own quantizer (all cores when n_threads is 0)."""
     _init()
@@ -137,7 +154,9 @@ class Model:
     """A loaded llama.cpp model; close() or use as a context manager."""
 
     def __init__(self, path: Path, use_mmap: bool = True) -> None:
-        _init()
+        problem = build_problem()
+        if problem:  # a clear refusal, never a segfault mid-run
+            raise MeasurementError(problem, source="llama-cpp-python", fix=AMX_REBUILD)
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_mmap = use_mmap
@@ -227,6 +246,12 @@ class Context:
                                    f"({first_error_since(mark)})",
                                    source=str(model.path))
         self.flash_attn_used = _flash_attn_used(params.flash_attn, type_v=params.type_v)
+        # What llama.cpp made, which may differ from what was asked (it pads some sizes).
+        self.n_ctx = int(L.llama_n_ctx(self.ptr))
+        per_seq = getattr(L, "llama_n_ctx_seq", None)
+        self.n_ctx_seq = int(per_seq(self.ptr)) if per_seq else None
+        self.n_batch = int(L.llama_n_batch(self.ptr))
+        self.n_ubatch = int(L.llama_n_ubatch(self.ptr))
         self.n_vocab = model.info().n_vocab
         self._one = (ctypes.c_int32 * 1)()
         self._one_batch = L.llama_batch_get_one(self._one, 1)

@@ -29,20 +29,16 @@ def now_iso() -> str:
 
 
 def context_params(m: Measurement):
+    """The context of a cell: n_ctx cells per sequence (Measurement.n_ctx), a unified cache
+    for a prefix test (seq 1 shares seq 0's prefix cells), one share per sequence otherwise
+    (a depth test's seq 1 runs the same work from empty, paired in every repetition)."""
     from .llama import ContextParams
 
     s = m.settings
-    common = dict(n_batch=s.n_batch, n_ubatch=s.n_ubatch, n_threads=s.threads,
-                  flash_attn=s.flash_attn, type_k=m.kv_type, type_v=m.kv_type)
-    if m.kind == "prefix_cache":
-        # seq 0 keeps the prefix, seq 1 shares its cells: that needs one unified buffer.
-        n_ctx = m.shared_prefix + 2 * m.n_prompt
-        return ContextParams(n_ctx=max(n_ctx, 16), n_seq_max=2, kv_unified=True, **common)
-    if m.depth:
-        # seq 0 holds the depth; seq 1 runs the same work from empty, paired in every repetition.
-        return ContextParams(n_ctx=max(m.n_ctx, 32), n_seq_max=2, **common)
-    # Independent sequences each get their own n_ctx / n_seq_max cells (llama.cpp's default).
-    return ContextParams(n_ctx=max(m.n_ctx, 16 * m.parallel), n_seq_max=m.parallel, **common)
+    return ContextParams(n_ctx=m.n_ctx_total, n_seq_max=m.n_seq_max,
+                         kv_unified=m.kind == "prefix_cache", n_batch=s.n_batch,
+                         n_ubatch=s.n_ubatch, n_threads=s.threads, flash_attn=s.flash_attn,
+                         type_k=m.kv_type, type_v=m.kv_type)
 
 
 class Cell:
@@ -55,11 +51,14 @@ class Cell:
         self.m, self.pages = m, pages
         self.started = now_iso()
         self.ctx = Context(model, context_params(m))
+        _check_context_made(self.ctx, m)
         rng = np.random.default_rng([seed, m.n_prompt, m.n_gen, m.depth, m.parallel,
                                      m.shared_prefix])
         try:
             self.setup, self._repetition = WORKLOADS[m.kind](self.ctx, m, rng)
             self.setup["flash_attn_used"] = self.ctx.flash_attn_used
+            # llama.cpp clamps n_batch and n_ubatch to the context: what the prompt ran in
+            self.setup |= {"n_batch_used": self.ctx.n_batch, "n_ubatch_used": self.ctx.n_ubatch}
             self.warmups = [self._repetition(0) for _ in range(m.settings.warmup)]
         except MeasurementError as exc:
             self.close()
@@ -94,6 +93,21 @@ def target_samples(m: Measurement, reps: list[dict]) -> list[float]:
         return rates(m.parallel * m.n_gen, [sum(r["decode_s"]) for r in reps if r["decode_s"]])
     n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
     return rates(n_prefill, [r["prefill_s"] for r in reps if r["prefill_s"]])
+
+
+def _check_context_made(ctx, m: Measurement) -> None:
+    """The context must be the one the measurement's id names, or its numbers would be
+    filed under a context they were not measured in."""
+    per_seq = ctx.n_ctx_seq
+    if per_seq is None:  # a llama.cpp without llama_n_ctx_seq: the share it would give
+        per_seq = ctx.n_ctx if m.kind == "prefix_cache" else ctx.n_ctx // m.n_seq_max
+    if (ctx.n_ctx, per_seq) != (m.n_ctx_total, m.n_ctx):
+        ctx.close()
+        raise _named(MeasurementError(
+            f"llama.cpp made a context of {ctx.n_ctx} cells ({per_seq} per sequence), not the "
+            f"planned {m.n_ctx_total} ({m.n_ctx} per sequence)", source=str(ctx.model.path),
+            fix="this llama.cpp sizes contexts otherwise: pin the llama-cpp-python of "
+                "constraints.txt"), m)
 
 
 def _named(exc: MeasurementError, m: Measurement) -> MeasurementError:
@@ -216,6 +230,7 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
         "type": "measurement", "id": m.id, "test": m.test_name, "model": m.model.label,
         "model_key": m.model.key, "dtype": m.model.dtype,
         "threads": s.threads, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch,
+        "n_ctx": m.n_ctx, "n_ctx_total": m.n_ctx_total, "n_seq_max": m.n_seq_max,
         "flash_attn": s.flash_attn, "flash_attn_used": setup.get("flash_attn_used"),
         "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,

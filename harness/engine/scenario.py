@@ -29,9 +29,16 @@ MAX_THREADS = 1024
 MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "min_repetitions", "max_repetitions", "max_seconds",
-             "warmup", "seed", "n_batch", "n_ubatch", "flash_attn", "reference", "tests"]
+             "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
+             "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
-              "warmup", "n_batch", "n_ubatch", "flash_attn"]
+              "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
+# Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
+# blocks of 256: llama.cpp pads every context to 256 cells, but first clamps n_batch and
+# n_ubatch to the size asked for, and a 64-token prompt prefilled 1.5x slower in an n_ctx of
+# 88 than of 80, 96 or 4,096 here (shared/notes/llama-cpp.md): an exactly sized context draws
+# false dips into a sweep of prompt lengths.
+CONTEXT_STEP = 256
 MAX_SECONDS = 7 * 24 * 3600
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
 _TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
@@ -69,6 +76,7 @@ class Settings:
     n_ubatch: int
     flash_attn: bool | None  # None = llama.cpp's auto
     target_ci: float = 0.03
+    n_ctx: int | None = None  # KV cells per sequence; None: its tokens rounded up to 256
     min_repetitions: int = 6
     max_repetitions: int = 200
 
@@ -99,7 +107,7 @@ class Measurement:
         s = self.settings
         fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
         base = (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
-                f"ub{s.n_ubatch}|fa-{fa}|pp{self.n_prompt}|tg{self.n_gen}")
+                f"ub{s.n_ubatch}|fa-{fa}|ctx{self.n_ctx}|pp{self.n_prompt}|tg{self.n_gen}")
         # Levers at their defaults add nothing, so the ids of older runs stay valid.
         extra = [f"d{self.depth}" if self.depth else "",
                  f"kv-{self.kv_type}" if self.kv_type != "f16" else "",
@@ -113,10 +121,34 @@ class Measurement:
         return self.shared_prefix + self.depth + self.n_prompt + self.n_gen
 
     @property
+    def n_cells_needed(self) -> int:
+        """KV cells one sequence's share of the cache must hold (a prefix test's unified cache
+        holds the prefix and two copies of the question)."""
+        if self.kind == "prefix_cache":
+            return self.shared_prefix + 2 * self.n_prompt
+        return self.n_seq_ctx
+
+    @property
     def n_ctx(self) -> int:
-        """KV cache cells the context needs, over all its sequences (a depth test keeps a
-        second, depth-0 sequence beside it for its paired baseline)."""
-        return (2 if self.depth else self.parallel) * self.n_seq_ctx
+        """KV cells each sequence gets (llama.cpp's n_ctx_seq): the scenario's n_ctx, or the
+        cells needed rounded up to a whole number of CONTEXT_STEP blocks."""
+        if self.settings.n_ctx is not None:
+            return self.settings.n_ctx
+        return -(-self.n_cells_needed // CONTEXT_STEP) * CONTEXT_STEP
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequences the context holds: a depth test keeps a second, depth-0 sequence beside
+        it for its paired baseline; a prefix test shares one unified cache between two."""
+        if self.kind == "prefix_cache" or self.depth:
+            return 2
+        return self.parallel
+
+    @property
+    def n_ctx_total(self) -> int:
+        """KV cells of the whole context (llama.cpp's n_ctx): one share per sequence, or one
+        unified buffer for a prefix test."""
+        return self.n_ctx * (1 if self.kind == "prefix_cache" else self.n_seq_max)
 
     @property
     def kind(self) -> str:
@@ -266,7 +298,7 @@ def _thread_range(doc: Doc, path: tuple, text: str, physical_cores: int) -> list
 def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
               physical_cores: int) -> list[Settings]:
     """Scenario-level defaults (base None) or a test's overrides of them, one per thread count."""
-    def get_int(key: str, default: int, minimum: int, maximum: int) -> int:
+    def get_int(key: str, default: int | None, minimum: int, maximum: int) -> int | None:
         if key not in data:
             return default
         return want_int(doc, path + (key,), data[key], minimum=minimum, maximum=maximum)
@@ -283,7 +315,14 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
                             fix="write true, false or auto")
     s = replace(b, warmup=get_int("warmup", b.warmup, 0, MAX_REPETITIONS),
                 n_batch=get_int("n_batch", b.n_batch, 1, MAX_TOKENS),
-                n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa)
+                n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa,
+                n_ctx=get_int("n_ctx", b.n_ctx, 1, MAX_TOKENS))
+    if s.n_ctx is not None and s.n_ctx % CONTEXT_STEP:
+        up = -(-s.n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+        raise doc.error(path + ("n_ctx",), f"n_ctx {s.n_ctx:,} is not a multiple of "
+                        f"{CONTEXT_STEP}: llama.cpp would pad it to {up:,} cells after clamping "
+                        f"n_batch to {s.n_ctx:,}", fix=f"set n_ctx to a multiple of "
+                        f"{CONTEXT_STEP}, e.g. {up:,}")
     if s.n_ubatch > s.n_batch:
         raise doc.error(path + ("n_ubatch",), f"n_ubatch {s.n_ubatch} exceeds n_batch {s.n_batch}",
                         fix="n_ubatch must be at most n_batch")
@@ -340,7 +379,7 @@ def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],
                                 fix="measure at least one token")
             m = Measurement(model, n_prompt, n_gen, settings, label, **lever)
             _check_lever(doc, path, m)
-            _check_context(doc, path, m)
+            _check_context(doc, path, m, path + ("n_ctx",) if "n_ctx" in test else ("n_ctx",))
             out.append(m)
     return out
 
@@ -403,14 +442,26 @@ def _counts(doc: Doc, path: tuple, value: object, minimum: int, maximum: int) ->
     return [want_int(doc, path, value, minimum=minimum, maximum=maximum)]
 
 
-def _check_context(doc: Doc, path: tuple, m: Measurement) -> None:
+def _check_context(doc: Doc, path: tuple, m: Measurement, n_ctx_path: tuple) -> None:
     limit, n = m.model.max_context, m.n_seq_ctx
+    parts = [k for k, v in (("shared_prefix", m.shared_prefix), ("depth", m.depth),
+                            ("prompt", True), ("generate", True)) if v]
     if n > limit:
-        parts = [k for k, v in (("shared_prefix", m.shared_prefix), ("depth", m.depth),
-                                ("prompt", True), ("generate", True)) if v]
         raise doc.error(path + ("prompt",), f"{' + '.join(parts)} = {n:,} tokens exceeds "
                         f"{m.model.label}'s context length {limit:,}",
                         fix=f"keep {' + '.join(parts)} at most {limit:,}")
+    given, need = m.settings.n_ctx, m.n_cells_needed
+    if given is None:
+        return
+    if given < need:
+        what = ("shared_prefix + 2 × prompt (the prefix and two copies of the question)"
+                if m.kind == "prefix_cache" else " + ".join(parts))
+        raise doc.error(n_ctx_path, f"n_ctx {given:,} cannot hold {what} = {need:,} tokens "
+                        f"of {m.test_name}", fix=f"set n_ctx to at least {need:,}, or leave it "
+                        f"out (each context is then its tokens rounded up to {CONTEXT_STEP})")
+    if given > limit:
+        raise doc.error(n_ctx_path, f"n_ctx {given:,} exceeds {m.model.label}'s context "
+                        f"length {limit:,}", fix=f"set n_ctx to at most {limit:,}")
 
 
 def _check_unique(doc: Doc, measurements: list[Measurement]) -> None:

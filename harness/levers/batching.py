@@ -17,7 +17,16 @@ from ..core.costs import (
 from ..core.stats import center
 from ..render.plotkit import ci_errors, log2_pair, plt, save
 from ..render.tabular import Column, Table
-from .common import Lever, group_records, group_rows, median_of, round_ratio, spec_of, threads_label
+from .common import (
+    Lever,
+    group_records,
+    group_rows,
+    median_of,
+    round_ratio,
+    spec_of,
+    threads_label,
+    unpaired_note,
+)
 
 # --- analysis
 
@@ -113,7 +122,9 @@ def batching_notes(rows: list[dict]) -> list[str]:
         out.append(_batching_note(key, group))
         if group[0]["experts_read"] is not None:
             out.append(_experts_note(key, group))
-    return out
+    lone = unpaired_note([(f"{r['model']} {r['dtype']} at B = {r['parallel']}", "B = 1",
+                           r["speedup_ci"]) for r in rows if r["parallel"] > 1])
+    return out + ([lone] if lone else [])
 
 
 def _experts_note(key: tuple, group: list[dict]) -> str:

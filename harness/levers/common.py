@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from ..analysis.ceilings import rep_rates
+from ..analysis.ceilings import round_rates
 from ..core.specs import ModelSpec
 from ..core.stats import center, summarize
 
@@ -42,20 +42,35 @@ def spec_of(models: dict, m: dict) -> ModelSpec:
 
 def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
     """a's rate ÷ b's, round by round where both ran a repetition (drift between rounds
-    cancels), summarized with its own CI; for runs without rounds, the ratio of medians."""
-    pairs = {}
-    for m, side in ((a, 0), (b, 1)):
-        for rnd, rate in zip((m.get("samples") or {}).get("rounds") or [], rep_rates(m, phase),
-                             strict=False):
-            if rnd is not None and rate:
-                pairs.setdefault(rnd, [None, None])[side] = rate
-    ratios = [x / y for _, (x, y) in sorted(pairs.items()) if x and y]
+    cancels), summarized with its own CI; for cells that never shared two rounds (other RAM
+    groups, runs without rounds), the ratio of medians, unpaired, without an interval, and
+    why."""
+    ours, theirs = round_rates(a, phase), round_rates(b, phase)
+    ratios = [ours[k] / theirs[k] for k in sorted(ours.keys() & theirs.keys())]
     if len(ratios) >= 2:
         return summarize(ratios) | {"paired": True}
-    ours, theirs = center(a.get(f"{phase}_tok_s")), center(b.get(f"{phase}_tok_s"))
-    if not ours or not theirs:
+    x, y = center(a.get(f"{phase}_tok_s")), center(b.get(f"{phase}_tok_s"))
+    if not x or not y:
         return None
-    return {"n": 1, "median": ours / theirs, "mean": ours / theirs, "paired": False}
+    why = ("the run recorded no rounds" if not ours or not theirs else
+           "they shared fewer than 2 rounds (other RAM groups)")
+    return {"n": 1, "median": x / y, "mean": x / y, "paired": False, "why": why}
+
+
+def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> str | None:
+    """The sentence a table owes when some of its ratios could not be paired by round:
+    pairs of (what, against what, the ratio)."""
+    by_why: dict[str, list[str]] = {}
+    for what, base, ratio in pairs:
+        if ratio and not ratio.get("paired"):
+            by_why.setdefault(ratio.get("why", "they shared no rounds"), []).append(
+                f"{what} against {base}")
+    if not by_why:
+        return None
+    reasons = "; ".join(f"{', '.join(dict.fromkeys(named))}: {why}"
+                        for why, named in by_why.items())
+    return (f"Unpaired ratios ({reasons}): each is the ratio of two medians, so the "
+            "machine's drift between them does not cancel, and no interval is given.")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,15 @@ from ..analysis.ceilings import is_plain
 from ..core.stats import center
 from ..render.plotkit import ci_errors, finish, plt
 from ..render.tabular import ABOVE_CEILING_NOTE, Column, Table
-from .common import Lever, group_records, group_rows, median_of, round_ratio, threads_label
+from .common import (
+    Lever,
+    group_records,
+    group_rows,
+    median_of,
+    round_ratio,
+    threads_label,
+    unpaired_note,
+)
 
 KNEE_TOLERANCE = 0.02  # the knee: the fewest threads within 2% of the best
 
@@ -52,6 +60,7 @@ def _thread_group(phase: str, key: str, group: list[dict], rows_by_id: dict) -> 
         out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
                     "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],
                     "tok_s": m[key], "speedup": speedup, "speedup_ci": ratio,
+                    "base_threads": base["threads"],
                     "efficiency": speedup * base["threads"] / m["threads"],
                     "ceiling": "compute_gflop_s" if phase == "prefill" else "stream_gb_s",
                     "ceiling_value": c, "share_of_ceiling": share,
@@ -87,6 +96,10 @@ def threads_table(analysis: dict) -> list[Table]:
                  "÷ ggml's streaming ceiling for decode, achieved GFLOP/s ÷ ggml's compute "
                  "peak for prefill, each over the model's tensor types).")
     notes += _ceiling_notes(rows)
+    lone = unpaired_note([(f"{r['phase']} of {r['model']} {r['dtype']} at "
+                           f"{threads_label(r['threads'])}", threads_label(r["base_threads"]),
+                           r["speedup_ci"]) for r in rows if r["threads"] != r["base_threads"]])
+    notes += [lone] if lone else []
     if any((r.get("share_of_ceiling") or 0) > 1 for r in rows):
         notes.append(ABOVE_CEILING_NOTE)
     return [Table("threads", "Threads: how prefill and decode scale", [

@@ -12,7 +12,7 @@ from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 9
+ANALYSIS_VERSION = 10
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
@@ -41,5 +41,16 @@ def analyze_records(records) -> dict:
         table, moe = prediction_table(specs), moe_names(specs)
     except HarnessError:
         table, moe = {}, []
-    return analyze(records.measurements, records.models, records.probes, table,
-                   records.rounds, NOISY_CORES, moe)
+    return analyze(with_ram_groups(records.measurements, records.other), records.models,
+                   records.probes, table, records.rounds, NOISY_CORES, moe)
+
+
+def with_ram_groups(measurements: list[dict], other: list[dict]) -> list[dict]:
+    """Each measurement with the index of the RAM group it was measured in (0 when the run
+    had one): only cells of one group ran side by side, and runs before rounds ran on across
+    groups numbered each group's rounds from 0, so pairing by round needs the group too."""
+    grouping = [r for r in other if r.get("type") == "grouping"]
+    if not grouping:
+        return measurements
+    group_of = {key: i for i, keys in enumerate(grouping[-1]["groups"]) for key in keys}
+    return [m | {"ram_group": group_of.get(m["model_key"], 0)} for m in measurements]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from scipy.stats import ttest_ind_from_stats
 
 ENV_KEYS = ("cpu_model", "physical_cores", "ram_total_bytes", "os")
@@ -25,6 +27,20 @@ def ci_overlap(a: dict, b: dict) -> bool | None:
     return a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
 
 
+_CTX = re.compile(r"\|ctx(\d+)(?=\|)")
+
+
+def other_context(m_id: str, rec) -> str | None:
+    """Where another run measured the same cell at another context (or before contexts were
+    recorded): never paired, but named so the reader knows why it is missing."""
+    bare = _CTX.sub("", m_id)
+    for x in rec.measurements:
+        if x["id"] != m_id and _CTX.sub("", x["id"]) == bare:
+            found = _CTX.search(x["id"])
+            return f"n_ctx {found.group(1)}" if found else "n_ctx not recorded"
+    return None
+
+
 def compare_runs(runs: list[tuple[str, object]]) -> dict:
     """runs: (name, Records). Rows per measurement id and metric present in the first run."""
     base_name, base = runs[0]
@@ -39,7 +55,8 @@ def compare_runs(runs: list[tuple[str, object]]) -> dict:
                 other = next((x for x in rec.measurements if x["id"] == m["id"]), None)
                 b = (other or {}).get(metric)
                 if not b:
-                    row["others"].append({"run": name, "summary": None})
+                    row["others"].append({"run": name, "summary": None,
+                                          "other_context": other_context(m["id"], rec)})
                     continue
                 significant = welch_significant(a, b)
                 overlap = ci_overlap(a, b)
@@ -64,7 +81,9 @@ def render_compare_markdown(c: dict) -> str:
         shown = r["id"].replace("|", " ")  # a bare | would split the table cell
         cells = [f"`{shown}`", r["metric"].replace("_tok_s", " tok/s"), _stat(r[base])]
         for o in r["others"]:
-            if o["summary"] is None:
+            if o["summary"] is None and o.get("other_context"):
+                cells += [f"only at {o['other_context']}", "not compared"]
+            elif o["summary"] is None:
                 cells += ["missing", "–"]
             else:
                 mark = " **(exceeds noise)**" if o["exceeds_noise"] else " (within noise)"
@@ -72,7 +91,9 @@ def render_compare_markdown(c: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     out = ["# Run comparison", "", *lines, "",
            "A difference exceeds the noise when the 95% confidence intervals do not overlap or "
-           "Welch's t-test rejects equal means at 95%.", ""]
+           "Welch's t-test rejects equal means at 95%. Cells are compared only at the same "
+           "context size (n_ctx, part of every measurement's id): the context alone changes "
+           "prefill speed.", ""]
     if c["env_differences"]:
         out += ["## The runs come from different environments", ""]
         out += [f"- {k}: " + " vs ".join(v) for k, v in c["env_differences"].items()]

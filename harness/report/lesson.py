@@ -13,10 +13,10 @@ from ..levers.common import threads_label
 from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 from .findings import findings, main_model, rows_of
 from .page import (
-    METHOD,
     ceilings_table,
     env_lines,
     estimates_table,
+    method_text,
     repetitions_table,
     round_fit_lines,
 )
@@ -208,7 +208,8 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
         head, _, rest = markdown_table(est[0]).partition("\n")
         out += ["## Your machine against others (estimates: decode tok/s of every model)", rest,
                 ""]
-    out += ["## Method", "", METHOD, "", "## Environment", "", *env_lines(env), "",
+    out += ["## Method", "", method_text(data["measurements"]), "", "## Environment", "",
+            *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]
     out += ["## Appendix: diagnostics", ""]
     for table in (ceilings_table(data["analysis"]), repetitions_table(data["measurements"])):

@@ -254,7 +254,8 @@ def report_data(records, analysis: dict) -> dict:
             "created": header.get("created"), "harness": header.get("harness"),
             "tables": [t for t in tables if t.rows], "fits": analysis["fits"],
             "missing": missing(records), "failures": records.failures,
-            "n_measurements": len(records.measurements)}
+            "n_measurements": len(records.measurements),
+            "method": method_text(records.measurements)}
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -309,6 +310,33 @@ METHOD = (
     "kernels.")
 
 
+def context_sentence(measurements: list[dict]) -> str:
+    """How this run sized its contexts, from its records."""
+    sizes: dict[int, int] = {}
+    for m in measurements:
+        if m.get("n_ctx"):
+            sizes[m["n_ctx"]] = sizes.get(m["n_ctx"], 0) + 1
+    old = sum(1 for m in measurements if not m.get("n_ctx"))
+    out = []
+    if sizes:
+        listed = ", ".join(f"{n:,} ({k} cell{'s' if k != 1 else ''})"
+                           for n, k in sorted(sizes.items()))
+        out.append("Every context is sized as a deployment sizes it, in whole blocks of 256 "
+                   "KV cells per sequence (each cell's tokens rounded up, or the scenario's "
+                   f"n_ctx): this run's contexts held {listed} cells per sequence; the size is "
+                   "part of each measurement's id.")
+    if old:
+        out.append(f"{old} measurement{'s' if old != 1 else ''} predate recorded contexts: "
+                   "each such context was sized exactly to its tokens, and llama.cpp shrinks "
+                   "the prefill's ubatch to that size, which alone can slow prefill (see "
+                   "docs/scenarios.md, Contexts).")
+    return " ".join(out)
+
+
+def method_text(measurements: list[dict]) -> str:
+    return " ".join(t for t in (METHOD, context_sentence(measurements)) if t)
+
+
 def render_markdown(data: dict, plots: list[str] | None = None) -> str:
     """The report as GitHub-flavoured markdown; plots are relative file names."""
     s = data["scenario"]
@@ -345,7 +373,7 @@ def render_markdown(data: dict, plots: list[str] | None = None) -> str:
             out += _plot_line(placed[t.name])
     for name in rest:
         out += _plot_line(name)
-    out += ["## Method", "", METHOD, "", "## Environment", "", *env_lines(env), "",
+    out += ["## Method", "", data["method"], "", "## Environment", "", *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", "",
             f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt byte-identically "
             "from the specs and seed; numbers will differ on another machine, and by a few "
@@ -374,6 +402,11 @@ def _fit_lines(fits: list[dict]) -> list[str]:
 def round_fit_lines(f: dict) -> list[str]:
     """The fit redone round by round: its CI, and each model's measured ÷ fitted speed."""
     per_round = f.get("round_fit_gb_s")
+    if "round_fit_unpaired" in f:
+        n = f["round_fit_unpaired"]
+        return [f"  Not redone round by round: the models decoded together in {n} round"
+                f"{'' if n == 1 else 's'} (at least 2 are needed; models of other RAM groups "
+                "never share one), so the fit above carries the drift between them."]
     if not per_round:
         return []
     parts = [f"{r['model']} {r['dtype']} {_ratio_ci(r['measured_over_fit'])}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness import fleet
 from harness.cli import main
-from harness.engine.results import read_records
+from harness.engine.results import RunWriter, read_records
 
 LOOPBACK = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
 
@@ -168,6 +168,77 @@ def case_interrupt(tmp: Path, scenario: Path) -> None:
     (status,) = json.loads((out / "fleet.json").read_text())["nodes"].values()
     assert status["status"] == "cancelled", status
     print(f"interrupted after {len(kept.repetitions)} repetition(s)")
+
+
+def case_replaced_machine(tmp: Path, scenario: Path) -> None:
+    """A label whose earlier results came from another machine: --resume is refused (exit 2,
+    one line naming what differs, nothing written); with --relabel this machine is recorded
+    under LABEL.2, and a later --relabel resume finds it there again."""
+    cluster, _ = start_cluster(["lab-a"])
+    try:
+        out = tmp / "f"
+        code, err = harness("run", str(scenario), "--ray", cluster.address, "--out", str(out))
+        assert code == 0, err
+        results = out / "lab-a" / "results.jsonl"
+        lines = results.read_text().splitlines()
+        header = json.loads(lines[0])
+        header["env"]["hostname"] = "another-host"  # as if lab-a's records came from elsewhere
+        results.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+        before = results.read_bytes()
+        resume = ["run", str(scenario), "--ray", cluster.address, "--out", str(out), "--resume"]
+        code, err = harness(*resume)
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "node lab-a is not the machine" in err and "(was another-host)" in err, err
+        assert "--relabel" in err, err
+        assert results.read_bytes() == before
+        code, err = harness(*resume, "--relabel")
+        assert code == 0, err
+        assert "recorded as lab-a.2" in err, err
+        assert complete(out / "lab-a.2", 2) and results.read_bytes() == before
+        code, err = harness(*resume, "--relabel")
+        assert code == 0, err
+        assert not (out / "lab-a.3").exists()
+        print(err.strip().splitlines()[0])
+    finally:
+        cluster.shutdown()
+
+
+def case_writer_failure(tmp: Path, scenario: Path) -> None:
+    """Appending a node's records fails (a full disk): that node's task is cancelled, what it
+    wrote before stays, the driver says so, and the other node finishes."""
+    import ray
+
+    cluster, _ = start_cluster(["lab-a", "lab-b"])
+    real_append, real_cancel, cancelled = RunWriter.append, ray.cancel, []
+
+    def append(self, record):
+        if self.dir.name == "lab-b" and record.get("type") == "repetition":
+            raise OSError(28, "No space left on device")
+        real_append(self, record)
+
+    def cancel(ref, **kwargs):
+        cancelled.append(ref)
+        return real_cancel(ref, **kwargs)
+
+    RunWriter.append, ray.cancel = append, cancel
+    try:
+        out = tmp / "f"
+        code, err = harness("run", str(scenario), "--ray", cluster.address, "--out", str(out))
+    finally:
+        RunWriter.append, ray.cancel = real_append, real_cancel
+        cluster.shutdown()
+    assert code == 1, err
+    assert "[lab-b] failed: could not append its records" in err, err
+    assert "No space left on device" in err and "its task is cancelled" in err, err
+    assert "written before are kept" in err, err
+    assert len(cancelled) == 1, cancelled
+    kept = read_records(out / "lab-b" / "results.jsonl")
+    assert kept.header and not kept.repetitions and not kept.analyses
+    (failure,) = [r for r in kept.other if r.get("type") == "node_failure"]
+    assert failure["status"] == "failed" and "cancelled" in failure["error"]
+    assert complete(out / "lab-a", 2), err
+    print("\n".join(line for line in err.splitlines() if line.startswith("[lab-b] failed")))
 
 
 if __name__ == "__main__":
