@@ -79,8 +79,10 @@ RAM_TOLERANCE = 0.01  # the kernel's reserved memory moves total RAM by megabyte
 
 def machine_identity(env: dict) -> dict:
     """What makes a node the same machine as before: host, CPU, cores, RAM, ggml commit."""
-    return {k: env.get(k) for k in IDENTITY_KEYS[:-1]} | {
-        "ggml_commit": (env.get("llama") or {}).get("ggml_commit")}
+    return {"hostname": env.get("hostname"), "cpu_model": env.get("cpu_model"),
+            "physical_cores": env.get("physical_cores"),
+            "ram_total_bytes": env.get("ram_total_bytes"),
+            "ggml_commit": (env.get("llama") or {}).get("ggml_commit")}
 
 
 def identity_differences(now: dict, before: dict) -> list[str]:

@@ -221,3 +221,7 @@ def test_cluster_case(case, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["case"] == case and summary["ok"]
+
+
+def test_relabel_without_a_fleet_resume_is_refused(run_cli):
+    assert_user_error(run_cli("run", str(SCENARIO), "--relabel"), "--relabel", "--resume")

@@ -35,10 +35,15 @@ _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_rep
               "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
 # Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
 # blocks of 256: llama.cpp pads every context to 256 cells, but first clamps n_batch and
-# n_ubatch to the size asked for, and a 64-token prompt prefilled 1.5x slower in an n_ctx of
-# 88 than of 80, 96 or 4,096 here (shared/notes/llama-cpp.md): an exactly sized context draws
-# false dips into a sweep of prompt lengths.
+# n_ubatch to the size asked for, and a 64-token prompt prefilled 1.2x (Xeon) to 1.5x (EPYC)
+# slower in an 88-token ubatch than in one of 80 or 96 (docs/scenarios.md, Contexts): an
+# exactly sized context draws false dips into a sweep of prompt lengths.
 CONTEXT_STEP = 256
+
+
+def whole_blocks(n_cells: int) -> int:
+    """n_cells rounded up to a multiple of CONTEXT_STEP."""
+    return -(-n_cells // CONTEXT_STEP) * CONTEXT_STEP
 MAX_SECONDS = 7 * 24 * 3600
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
 _TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
@@ -108,7 +113,7 @@ class Measurement:
         fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
         base = (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
                 f"ub{s.n_ubatch}|fa-{fa}|ctx{self.n_ctx}|pp{self.n_prompt}|tg{self.n_gen}")
-        # Levers at their defaults add nothing, so the ids of older runs stay valid.
+        # Levers at their defaults add nothing.
         extra = [f"d{self.depth}" if self.depth else "",
                  f"kv-{self.kv_type}" if self.kv_type != "f16" else "",
                  f"np{self.parallel}" if self.parallel != 1 else "",
@@ -134,7 +139,7 @@ class Measurement:
         cells needed rounded up to a whole number of CONTEXT_STEP blocks."""
         if self.settings.n_ctx is not None:
             return self.settings.n_ctx
-        return -(-self.n_cells_needed // CONTEXT_STEP) * CONTEXT_STEP
+        return whole_blocks(self.n_cells_needed)
 
     @property
     def n_seq_max(self) -> int:
@@ -318,7 +323,7 @@ def _settings(doc: Doc, path: tuple, data: dict, base: Settings | None,
                 n_ubatch=get_int("n_ubatch", b.n_ubatch, 1, MAX_TOKENS), flash_attn=fa,
                 n_ctx=get_int("n_ctx", b.n_ctx, 1, MAX_TOKENS))
     if s.n_ctx is not None and s.n_ctx % CONTEXT_STEP:
-        up = -(-s.n_ctx // CONTEXT_STEP) * CONTEXT_STEP
+        up = whole_blocks(s.n_ctx)
         raise doc.error(path + ("n_ctx",), f"n_ctx {s.n_ctx:,} is not a multiple of "
                         f"{CONTEXT_STEP}: llama.cpp would pad it to {up:,} cells after clamping "
                         f"n_batch to {s.n_ctx:,}", fix=f"set n_ctx to a multiple of "
