@@ -122,9 +122,8 @@ def batching_notes(rows: list[dict]) -> list[str]:
         out.append(_batching_note(key, group))
         if group[0]["experts_read"] is not None:
             out.append(_experts_note(key, group))
-    lone = unpaired_note([(f"{r['model']} {r['dtype']} at B = {r['parallel']}", "B = 1",
-                           r["speedup_ci"]) for r in rows if r["parallel"] > 1])
-    return out + ([lone] if lone else [])
+    return out + unpaired_note([(f"{r['model']} {r['dtype']} at B = {r['parallel']}", "B = 1",
+                                 r["speedup_ci"]) for r in rows if r["parallel"] > 1])
 
 
 def _experts_note(key: tuple, group: list[dict]) -> str:

@@ -57,20 +57,20 @@ def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
     return {"n": 1, "median": x / y, "mean": x / y, "paired": False, "why": why}
 
 
-def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> str | None:
-    """The sentence a table owes when some of its ratios could not be paired by round:
-    pairs of (what, against what, the ratio)."""
+def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> list[str]:
+    """The sentence a table owes (none or one) when some of its ratios could not be paired by
+    round: pairs of (what, against what, the ratio)."""
     by_why: dict[str, list[str]] = {}
     for what, base, ratio in pairs:
         if ratio and not ratio.get("paired"):
             by_why.setdefault(ratio.get("why", "they shared no rounds"), []).append(
                 f"{what} against {base}")
     if not by_why:
-        return None
+        return []
     reasons = "; ".join(f"{', '.join(dict.fromkeys(named))}: {why}"
                         for why, named in by_why.items())
-    return (f"Unpaired ratios ({reasons}): each is the ratio of two medians, so the "
-            "machine's drift between them does not cancel, and no interval is given.")
+    return [f"Unpaired ratios ({reasons}): each is the ratio of two medians, so the "
+            "machine's drift between them does not cancel, and no interval is given."]
 
 
 @dataclass(frozen=True)

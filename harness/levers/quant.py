@@ -99,7 +99,10 @@ def quant_tables(analysis: dict) -> list[Table]:
          "model. If decode were purely bandwidth-bound, its speed-up would equal the byte "
          "reduction (last column 1.00); below 1, dequantizing the blocks costs CPU time that "
          "the saved bytes do not cover on these cores.",
-         _prefill_note(rows), *_unpaired(rows)])
+         _prefill_note(rows), *unpaired_note([
+             (f"{phase} of {r['model']} {r['dtype']}", r["baseline"].upper(),
+              r[f"{phase}_speedup_ci"])
+             for r in rows if r["dtype"] != r["baseline"] for phase in ("decode", "prefill")])])
     comp = Table("quant_composition", "What each file really holds", [
         Column("model", "model"), Column("dtype", "dtype"),
         Column("bits/weight", "bits_per_weight", "f2"),
@@ -113,14 +116,6 @@ def quant_tables(analysis: dict) -> list[Table]:
          "V and FFN-down in the K-quant mixes) more bits, and fall back to another type for "
          "any tensor whose rows are not a multiple of the type's block (256 for K-quants)."])
     return [speed, comp]
-
-
-def _unpaired(rows: list[dict]) -> list[str]:
-    note = unpaired_note([(f"{phase} of {r['model']} {r['dtype']}",
-                           r["baseline"].upper(), r[f"{phase}_speedup_ci"])
-                          for r in rows if r["dtype"] != r["baseline"]
-                          for phase in ("decode", "prefill")])
-    return [note] if note else []
 
 
 def _prefill_note(rows: list[dict]) -> str:

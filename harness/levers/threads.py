@@ -96,10 +96,10 @@ def threads_table(analysis: dict) -> list[Table]:
                  "÷ ggml's streaming ceiling for decode, achieved GFLOP/s ÷ ggml's compute "
                  "peak for prefill, each over the model's tensor types).")
     notes += _ceiling_notes(rows)
-    lone = unpaired_note([(f"{r['phase']} of {r['model']} {r['dtype']} at "
-                           f"{threads_label(r['threads'])}", threads_label(r["base_threads"]),
-                           r["speedup_ci"]) for r in rows if r["threads"] != r["base_threads"]])
-    notes += [lone] if lone else []
+    notes += unpaired_note([(f"{r['phase']} of {r['model']} {r['dtype']} at "
+                             f"{threads_label(r['threads'])}", threads_label(r["base_threads"]),
+                             r["speedup_ci"]) for r in rows
+                            if r["threads"] != r["base_threads"]])
     if any((r.get("share_of_ceiling") or 0) > 1 for r in rows):
         notes.append(ABOVE_CEILING_NOTE)
     return [Table("threads", "Threads: how prefill and decode scale", [

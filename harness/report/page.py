@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections import Counter
 
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
@@ -312,11 +313,8 @@ METHOD = (
 
 def context_sentence(measurements: list[dict]) -> str:
     """How this run sized its contexts, from its records."""
-    sizes: dict[int, int] = {}
-    for m in measurements:
-        if m.get("n_ctx"):
-            sizes[m["n_ctx"]] = sizes.get(m["n_ctx"], 0) + 1
-    old = sum(1 for m in measurements if not m.get("n_ctx"))
+    sizes = Counter(m.get("n_ctx") for m in measurements)
+    old = sizes.pop(None, 0)
     out = []
     if sizes:
         listed = ", ".join(f"{n:,} ({k} cell{'s' if k != 1 else ''})"
