@@ -161,8 +161,9 @@ def check(scenario: Path, cache_dir: Path | None) -> None:
     plan = load_scenario(scenario, physical_cores())
     preflight(plan, list(plan.measurements), cache_dir)
     for m in plan.measurements:
+        policy = repetitions_label(m.settings.policy, plan.target)
         click.echo(f"{m.id}  ({m.model.label} {m.model.dtype}, {m.settings.threads} threads, "
-                   f"{test_label(_lever_fields(m))}, {repetitions_label(m.settings.policy)} + "
+                   f"{test_label(_lever_fields(m))}, {policy} + "
                    f"{m.settings.warmup} warm-up)")
     summary = plan_summary(plan, cache_dir)
     click.echo(f"{plan.title}: {len(plan.measurements)} measurements of "
@@ -286,7 +287,7 @@ def compare(runs: tuple[Path, ...], out: Path | None) -> None:
     """Compare runs: the same measurements side by side, ratios, and what exceeds the noise."""
     from .engine.build import write_text_atomically
     from .report.compare import compare_runs, render_compare_markdown
-    from .report.files import load_run
+    from .report.files import analysis_of, load_run
 
     if len(runs) < 2:
         raise HarnessError("compare needs at least two runs", fix="harness compare RUN_A RUN_B")
@@ -294,7 +295,7 @@ def compare(runs: tuple[Path, ...], out: Path | None) -> None:
     for r in runs:
         directory, records = load_run(r)
         loaded.append((directory.name, records))
-    text = render_compare_markdown(compare_runs(loaded))
+    text = render_compare_markdown(compare_runs(loaded, [analysis_of(rec) for _, rec in loaded]))
     if out:
         write_text_atomically(out, text)
         click.echo(str(out))

@@ -21,7 +21,7 @@ from .core.costs import (
 )
 from .core.dtypes import DTYPES
 from .core.errors import HarnessError, MeasurementError
-from .core.rounds import group_by_memory, relative_ci, round_order, stop_reason
+from .core.rounds import contrast_pairs, group_by_memory, round_order, stop_reason, widest_ci
 from .core.specs import ModelSpec, resolve_spec
 from .engine import noise
 from .engine.build import (
@@ -32,7 +32,7 @@ from .engine.build import (
     missing_build_n_bytes,
 )
 from .engine.env import available_ram_bytes
-from .engine.measure import now_iso, target_samples
+from .engine.measure import now_iso, round_series
 from .engine.results import SCHEMA_VERSION, RunWriter
 from .engine.scenario import Measurement, ModelRef, Scenario
 from .report.analyze import analyze_records
@@ -207,6 +207,11 @@ class _Rounds:
         self.strict, self.files, self.prober, self.console = strict, files, prober, console
         self.models, self.pages, self.cells, self.infos = {}, {}, {}, {}
         self.failed: set[str] = set()
+        self.by_id = {m.id: m for m in todo}
+        self.partners: dict[str, list[str]] = {}
+        for a, b in contrast_pairs({m.id: m.pairing_key for m in todo}):
+            self.partners.setdefault(a, []).append(b)
+            self.partners.setdefault(b, []).append(a)
         self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]
                      for m in todo}
         self.spent_s = max((r.get("elapsed_s", 0.0) for r in writer.records.repetitions),
@@ -302,28 +307,42 @@ class _Rounds:
         self.reps[m.id].append(self.writer.records.repetitions[-1])
 
     def _finish(self, active: list[Measurement], round_index: int) -> list[Measurement]:
-        """Cells whose policy (or the run's time budget) says stop leave the rounds."""
+        """Cells whose policy (or the run's time budget) says stop leave the rounds: an auto
+        cell once the contrasts it is part of (or, with no partner or `target: absolute`, its
+        own figure) are within target_ci; the cells of a contrast leave together."""
         elapsed = self.spent_s + time.monotonic() - self.clock
         over = self.scenario.max_seconds is not None and elapsed >= self.scenario.max_seconds
+        live = [m for m in active if m.id not in self.failed]
+        widths = {m.id: self._widest(m) for m in live}
         still, widest = [], (0.0, None)
-        for m in (m for m in active if m.id not in self.failed):
-            samples = target_samples(m, [r["rep"] for r in self.reps[m.id]])
-            policy = m.settings.policy
-            reason = stop_reason(samples, policy, over_budget=over)
+        for m in live:
+            reason = stop_reason(len(self.reps[m.id]), widths[m.id], m.settings.policy, over)
             if reason:
-                self._write_measurement(m, reason)
+                self._write_measurement(m, reason, widths[m.id])
                 continue
             still.append(m)
-            if policy.auto:
-                ci = relative_ci(samples)
+            if m.settings.policy.auto:
+                ci = widths[m.id]
                 widest = max(widest, (ci if ci is not None else float("inf"), m.id),
                              key=lambda w: w[0])
         self.console.round({"round": round_index, "active": len(still), "finished":
                             len(active) - len(still), "widest_ci": widest[0],
-                            "widest_id": widest[1], "elapsed_s": elapsed})
+                            "widest_id": widest[1], "elapsed_s": elapsed,
+                            "target": self.scenario.target})
         return still
 
-    def _write_measurement(self, m: Measurement, reason: str) -> None:
+    def _widest(self, m: Measurement) -> float | None:
+        """The widest interval m is judged on: its contrasts with the auto cells of its group
+        it differs from in one setting (a finished partner's rounds are complete)."""
+        partners = [(o, _pair_phase(m, self.by_id[o])) for o in self.partners.get(m.id, [])
+                    if o not in self.failed and self.by_id[o].settings.policy.auto]
+
+        def series(cell: str, phase: str | None) -> dict:
+            return round_series(self.by_id[cell], self.reps[cell], phase)
+
+        return widest_ci(m.id, [p for p in partners if p[1]], series, self.scenario.target)
+
+    def _write_measurement(self, m: Measurement, reason: str, ci: float | None) -> None:
         from .engine.measure import make_record
 
         cell = self.cells.pop(m.id, None)
@@ -335,7 +354,8 @@ class _Rounds:
                    "during_other_cores": max((d for d in during if d is not None), default=None)}
         run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
                "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
-               "ci_reached": relative_ci(target_samples(m, reps))}
+               "ci_reached": ci, "target": self.scenario.target,
+               "partners": self.partners.get(m.id, [])}
         setup = cell.setup if cell else {}
         warmups = cell.warmups if cell else []
         started = cell.started if cell else self.reps[m.id][0]["at"]
@@ -344,6 +364,16 @@ class _Rounds:
         self.console.advance(self.writer.records.measurements[-1])
         if cell:
             cell.close()
+
+
+def _pair_phase(a: Measurement, b: Measurement) -> str | None:
+    """The phase two cells are compared on: decode when both decode, else prefill when both
+    prefill (None: nothing in common to compare)."""
+    if a.n_gen and b.n_gen:
+        return "decode"
+    if (a.n_prompt or a.shared_prefix) and (b.n_prompt or b.shared_prefix):
+        return "prefill"
+    return None
 
 
 def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:

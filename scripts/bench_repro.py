@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Benchmark: does a scenario reproduce? Two runs back to back, compared cell by cell.
+"""Benchmark: does a scenario reproduce? Two runs back to back, compared with the run's model.
 
-For every cell: the ratio of the two runs' median tok/s and of their median paired read ratio
-(decode's effective bandwidth over the page reads right beside it), whether each run's stated
-95% CIs together cover the difference (|m2 - m1| <= sqrt(h1² + h2²)), and which regimes each
-run saw. Goals for
-decode_sweep and prefill_sweep: paired read ratios within ±3%, tok/s medians within ±5%.
+Contrasts (a ratio of two cells of one run, round by round: what the reports compare): how far
+each contrast moved between the runs, and how wide each run stated it. Absolute figures (each
+cell's median tok/s): whether the unpaired interval of run 2 ÷ run 1, which combines the two
+runs' intervals of their long-run medians (drift included), covers 1. And each run's time.
+Goals (issue 21): contrasts agree within ±3% between the runs with stated intervals within
+±5%; absolute intervals cover the two-run differences.
 
     python scripts/bench_repro.py scenarios/decode_sweep.yaml --out reports/repro
     python scripts/bench_repro.py --runs reports/repro/run-1 reports/repro/run-2   # no rerun
@@ -17,82 +18,102 @@ import argparse
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
 def run_twice(scenario: Path, out: Path) -> list[Path]:
     dirs = [out / "run-1", out / "run-2"]
     for d in dirs:
+        start = time.monotonic()
         subprocess.run([sys.executable, "-m", "harness", "run", str(scenario), "--out", str(d)],
                        check=True)
+        print(f"{d}: {time.monotonic() - start:.0f} s wall", flush=True)
     return dirs
 
 
-def cells(run: Path) -> tuple[dict, dict]:
+def load(run: Path) -> tuple[object, dict]:
     from harness.report.files import analysis_of, load_run
 
     _, records = load_run(run)
-    analysis = analysis_of(records)
-    decode = {r["id"]: r for r in analysis["decode"]}
-    return {m["id"]: (m, decode.get(m["id"])) for m in records.measurements}, analysis
+    return records, analysis_of(records)
 
 
-def _covers(a: dict, b: dict) -> bool | None:
-    """Whether the two medians differ by no more than their stated 95% CIs combined:
-    |m2 - m1| <= sqrt(h1² + h2²), each h the half-width of a run's interval."""
-    from harness.core.stats import center
-
-    ci_a, ci_b = a.get("median_ci95"), b.get("median_ci95")
-    if not ci_a or not ci_b:
+def _half(c: dict | None) -> float | None:
+    """The wider side of a ratio's or figure's 95% interval, on the log scale."""
+    ci = (c or {}).get("ci95") or (c or {}).get("median_ci95")
+    mid = (c or {}).get("ratio") or (c or {}).get("median")
+    if not ci or not mid:
         return None
-    half = math.hypot((ci_a[1] - ci_a[0]) / 2, (ci_b[1] - ci_b[0]) / 2)
-    return abs(center(a) - center(b)) <= half
+    return max(math.log(ci[1] / mid), math.log(mid / ci[0]))
 
 
-def _half(summary: dict) -> str:
-    ci = summary.get("median_ci95")
-    return f"±{(ci[1] - ci[0]) / 2 / summary['median']:.1%}" if ci else "-"
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%}"
 
 
-def _row(cell_id: str, a: tuple, b: tuple, worst: dict) -> str:
-    from harness.core.stats import center
+def contrasts(a: dict, b: dict) -> list[tuple]:
+    """(name, run 2 ÷ run 1 - 1, stated half-width 1, 2) per contrast both runs drew."""
+    theirs = {(c["numerator"], c["denominator"], c["metric"]): c for c in b["contrasts"]}
+    out = []
+    for c in a["contrasts"]:
+        o = theirs.get((c["numerator"], c["denominator"], c["metric"]))
+        if o:
+            out.append((c["name"], o["ratio"] / c["ratio"] - 1, _half(c), _half(o)))
+    return out
 
-    (ma, da), (mb, db) = a, b
-    key = "decode_tok_s" if ma["n_gen"] else "prefill_tok_s"
-    ratio = center(mb[key]) / center(ma[key])
-    worst["tok_s"].append((abs(ratio - 1), _covers(ma[key], mb[key])))
-    cols = [f"{ratio:.3f}", _half(ma[key]), _half(mb[key]), str(_covers(ma[key], mb[key]))]
-    pa, pb = (da or {}).get("paired_read_ratio"), (db or {}).get("paired_read_ratio")
-    if pa and pb:
-        p = center(pb) / center(pa)
-        worst["paired"].append((abs(p - 1), _covers(pa, pb)))
-        cols += [f"{p:.3f}", _half(pa), _half(pb), str(_covers(pa, pb))]
-    else:
-        cols += [""] * 4
-    cols += [str(ma["repetitions"]), str(mb["repetitions"])]
-    return f"{cell_id[:50]:<50} " + " ".join(f"{c:>7}" for c in cols)
+
+def absolutes(ra, rb) -> list[tuple]:
+    """(cell, run 2 ÷ run 1, whether the unpaired interval covers 1) per cell of both."""
+    from harness.core.stats import unpaired
+
+    theirs = {m["id"]: m for m in rb.measurements}
+    out = []
+    for m in ra.measurements:
+        o = theirs.get(m["id"])
+        key = "decode_tok_s" if m["n_gen"] else "prefill_tok_s"
+        if not o or not m.get(key) or not o.get(key):
+            continue
+        r = unpaired(o[key], m[key])
+        ci = r.get("median_ci95")
+        out.append((m["id"], r["ratio"], None if not ci else ci[0] <= 1 <= ci[1],
+                    _half(m[key]), _half(o[key]), m["repetitions"], o["repetitions"]))
+    return out
+
+
+def _elapsed(records) -> float | None:
+    reps = records.repetitions
+    return max((r.get("elapsed_s", 0.0) for r in reps), default=None)
 
 
 def compare(runs: list[Path]) -> int:
-    """Print the per-cell table, the largest differences and how many the CIs covered."""
-    from harness.report.page import stability_lines
-
-    (a, analysis_a), (b, analysis_b) = cells(runs[0]), cells(runs[1])
-    heads = ["tok 2/1", "CI 1", "CI 2", "covered", "pair2/1", "CI 1", "CI 2", "covered", "n1",
-             "n2"]
-    print(f"{'cell':<50} " + " ".join(f"{h:>7}" for h in heads))
-    worst: dict[str, list] = {"tok_s": [], "paired": []}
-    for cell_id in a:
-        if cell_id in b:
-            print(_row(cell_id, a[cell_id], b[cell_id], worst))
-    for name, label in (("tok_s", "tok/s medians"), ("paired", "paired read ratios")):
-        diffs = worst[name]
-        if diffs:
-            print(f"{label}: largest difference {max(d for d, _ in diffs):.1%}; the two runs' "
-                  f"stated 95% CIs covered {sum(bool(c) for _, c in diffs)} of {len(diffs)}")
-    for name, analysis in (("run 1", analysis_a), ("run 2", analysis_b)):
-        for line in stability_lines(analysis.get("stability") or {}):
-            print(f"{name}: {line}")
+    """Print both tables and the goals' verdicts."""
+    (ra, a), (rb, b) = load(runs[0]), load(runs[1])
+    rows = contrasts(a, b)
+    print(f"{'contrast':<72} {'2/1-1':>7} {'±CI 1':>7} {'±CI 2':>7}")
+    for name, diff, h1, h2 in rows:
+        print(f"{name[:72]:<72} {diff:>+7.1%} {_pct(h1):>7} {_pct(h2):>7}")
+    cells = absolutes(ra, rb)
+    print(f"\n{'cell':<60} {'2/1':>6} {'covered':>8} {'±CI 1':>7} {'±CI 2':>7} n1 n2")
+    for cell, ratio, covered, h1, h2, n1, n2 in cells:
+        print(f"{cell[:60]:<60} {ratio:>6.3f} {covered!s:>8} {_pct(h1):>7} {_pct(h2):>7} "
+              f"{n1} {n2}")
+    if rows:
+        worst = max(abs(d) for _, d, _, _ in rows)
+        widest = max((h for _, _, h1, h2 in rows for h in (h1, h2) if h is not None),
+                     default=None)
+        within = sum(abs(d) <= 0.03 for _, d, _, _ in rows)
+        print(f"\ncontrasts: {within} of {len(rows)} agree within ±3% between the runs "
+              f"(largest difference {worst:.1%}); widest stated interval ±{_pct(widest)}")
+    if cells:
+        covered = sum(bool(c) for _, _, c, *_ in cells)
+        print(f"absolute figures: the intervals cover the two-run difference for {covered} of "
+              f"{len(cells)} cells")
+    for name, records, analysis in (("run 1", ra, a), ("run 2", rb, b)):
+        d = analysis.get("machine_drift") or {}
+        print(f"{name}: rounds took {_elapsed(records) or 0:.0f} s; machine drift "
+              f"{d.get('low', float('nan')):.2f}×–{d.get('high', float('nan')):.2f}× over "
+              f"{d.get('n_rounds', 0)} rounds")
     return 0
 
 

@@ -11,7 +11,7 @@ from harness.core.costs import (
 )
 from harness.core.dtypes import DTYPES
 from harness.core.specs import resolve_spec
-from harness.core.stats import center, half_width
+from harness.core.stats import center, log_median, relative_half_width, summarize
 from harness.engine.probe import plan_array_n_bytes, probe
 from harness.weights.gguf_build import table_from_plan
 
@@ -108,10 +108,12 @@ def _probe(seq, threads, **ggml):
 def test_ceiling_near_uses_the_nearest_probes_that_measured_the_figure():
     probes = [_probe(2, 2, f32=30.0), _probe(4, 1, f32=99.0), _probe(9, 2, f32=33.0)]
     c = ceilings.ceiling_near(probes, 5, 2, ("ggml", "f32", "stream_gb_s"))
-    assert c["before"] == 30.0 and c["after"] == 33.0 and c["value"] == 31.5
-    assert c["drift"] == pytest.approx(0.1)
+    # each probe's figure is the median of its passes (a best-of falls with fewer passes)
+    assert c["before"] == pytest.approx(29.7) and c["after"] == pytest.approx(32.67)
     samples = [30, 29.4, 29.7, 33, 32.34, 32.67]
-    assert c["spread"] == pytest.approx(half_width(samples) / 31.5)
+    assert c["value"] == pytest.approx(log_median(samples))
+    assert c["drift"] == pytest.approx(0.1)
+    assert c["spread"] == pytest.approx(relative_half_width(summarize(samples)))
     assert ceilings.ceiling_near([], 5, 2, ("read_gb_s",))["value"] is None
 
 
@@ -119,8 +121,9 @@ def test_combined_ceiling_adds_time_over_the_tensor_types():
     probes = [_probe(1, 2, q4_0=40.0, q8_0=20.0, f32=10.0)]
     bytes_by_type = {"q4_0": 600, "q8_0": 300, "f32": 100}
     c = ceilings.combined_ceiling(bytes_by_type, probes, 5, 2, "stream_gb_s")
-    assert c["value"] == pytest.approx(1000 / (600 / 40 + 300 / 20 + 100 / 10))
-    assert c["by_type"] == {"q4_0": 40.0, "q8_0": 20.0, "f32": 10.0}
+    # each type's figure: the median of its passes, 0.99 of the best here
+    assert c["value"] == pytest.approx(0.99 * 1000 / (600 / 40 + 300 / 20 + 100 / 10))
+    assert c["by_type"] == pytest.approx({"q4_0": 39.6, "q8_0": 19.8, "f32": 9.9})
     missing = ceilings.combined_ceiling({"q6_k": 5, "f32": 1}, probes, 5, 2, "stream_gb_s")
     assert missing["value"] is None and missing["missing"] == ["q6_k"]
     assert "no ggml ceiling for q6_k" in missing["reason"]

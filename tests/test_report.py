@@ -1,13 +1,16 @@
 import csv
 import io
 import json
+import math
 import os
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
+from scipy.stats import t as t_dist
 
-from harness.report.compare import compare_runs, render_compare_markdown, welch_significant
+from harness.report.compare import beyond_noise, compare_runs, render_compare_markdown
 from harness.report.files import analysis_of, load_run, write_report
 from harness.report.page import render_csv, render_json, render_markdown, report_data
 
@@ -49,7 +52,6 @@ def _table_rows(text: str, title: str) -> list[list[str]]:
 
 def test_decode_table_numbers_follow_from_the_raw_samples():
     """Every decode row recomputed here from the fixture's raw samples and probe records."""
-    import statistics
 
     from harness.analysis.ceilings import ceiling_near, span
     from harness.core.costs import mean_decode_context
@@ -73,11 +75,24 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
         stream = sum(model["decode_type_n_bytes"].values()) / times
         row = rows[(m["model"], m["dtype"])]
         assert row[6].startswith(f"{rate:.2f} (")
-        lo, hi = sorted(rates)[0], sorted(rates)[-1]  # 3 repetitions: the CI is min-max
+        # 3 repetitions: median ± t(0.975, 2) · √(π/2) · sd / √3 of the log rates
+        logs = [math.log(x) for x in rates]
+        half = t_dist.ppf(0.975, 2) * math.sqrt(math.pi / 2) * statistics.stdev(logs) / math.sqrt(3)
+        lo, hi = rate * math.exp(-half), rate * math.exp(half)
         assert row[6] == f"{rate:.2f} ({lo:.2f}–{hi:.2f})"
-        assert row[7].startswith(f"{1000 / rate:.1f} (")
+        assert row[7] == f"{1000 / rate:.1f} ({1000 / hi:.1f}–{1000 / lo:.1f})"  # inverse
         assert row[8] == f"{effective:.1f}" and row[9] == f"{stream:.1f}"
-        assert row[10] == f"{effective / stream:.0%}"
+        # the share, round by round: each repetition ÷ the ceiling probed before its round
+        beside = {p["round"]: p for p in records.probes if p.get("when") == "beside"}
+        shares = []
+        for rnd, d in zip(m["samples"]["rounds"], m["samples"]["decode_s"], strict=True):
+            t_s = sum(n / ceiling_near([beside[rnd]], beside[rnd]["seq"] + 1, m["threads"],
+                                        ("ggml", t, "stream_gb_s"))["value"]
+                      for t, n in model["decode_type_n_bytes"].items())
+            shares.append(m["n_gen"] / sum(d) * n_bytes / 1e9 * t_s
+                          / sum(model["decode_type_n_bytes"].values()))
+        share = math.exp(statistics.fmean(math.log(x) for x in shares))
+        assert row[10].startswith(f"{share:.0%} (")
 
 
 def test_partial_run_says_what_is_missing():
@@ -124,22 +139,28 @@ def test_report_cli_formats(run_cli, tmp_path):
 
 
 def test_compare_two_runs():
+
     _, full = load_run(RUNS / "tiny")
     _, partial = load_run(RUNS / "tiny_partial")
-    c = compare_runs([("full", full), ("partial", partial)])
+    c = compare_runs([("full", full), ("partial", partial)],
+                     [analysis_of(full), analysis_of(partial)])
     matched = [r for r in c["rows"] if r["others"][0]["summary"]]
     assert len({r["id"] for r in matched}) == 3
-    assert all(r["others"][0]["ratio"] == 1.0 for r in matched)
+    assert all(r["others"][0]["ratio"]["ratio"] == 1.0 for r in matched)
     assert all(not r["others"][0]["exceeds_noise"] for r in matched)
     text = render_compare_markdown(c)
-    assert "missing" in text and "same machine" in text
+    assert "missing" in text and "same machine" in text and "unpaired" in text
 
 
-def test_welch_detects_a_real_difference():
-    a = {"mean": 10.0, "stdev": 0.1, "n": 5, "ci95": [9.9, 10.1]}
-    b = {"mean": 12.0, "stdev": 0.1, "n": 5, "ci95": [11.9, 12.1]}
-    assert welch_significant(a, b) is True
-    assert welch_significant(a, dict(a)) is False
+def test_a_difference_beyond_the_noise_is_one_whose_interval_excludes_1():
+    from harness.core.stats import unpaired
+
+    a = {"n": 6, "median": 10.0, "median_ci95": [9.9, 10.1]}
+    b = {"n": 6, "median": 12.0, "median_ci95": [11.9, 12.1]}
+    assert beyond_noise(unpaired(b, a)) is True
+    assert beyond_noise(unpaired(a, dict(a))) is False
+    wide = {"n": 6, "median": 12.0, "median_ci95": [8.0, 16.0]}
+    assert beyond_noise(unpaired(wide, a)) is False
 
 
 def test_every_share_above_100_percent_is_explained():
@@ -149,8 +170,8 @@ def test_every_share_above_100_percent_is_explained():
     flagged = ceiling_share_notes([(1.2, 0.05, True)])
     assert flagged == [ABOVE_CEILING_NOTE]
     within = ceiling_share_notes([(1.02, 0.05, False), (1.01, 0.03, False), (0.8, 0.0, False)])
-    assert len(within) == 1 and within[0].startswith("Shares of 101.0%, 102.0% exceed 100% by less "
-                                                     "than the ceiling's own spread")
+    assert len(within) == 1 and within[0].startswith("Shares of 101.0%, 102.0% exceed 100% but "
+                                                     "their 95% intervals")
     both = ceiling_share_notes([(1.3, 0.05, True), (1.04, 0.05, False)])
     assert both[0] == ABOVE_CEILING_NOTE and "104.0%" in both[1]
 

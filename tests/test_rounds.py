@@ -8,12 +8,13 @@ import pytest
 
 from harness.core.rounds import (
     Policy,
+    contrast_pairs,
     group_by_memory,
     relative_ci,
     round_order,
     stop_reason,
+    widest_ci,
 )
-from harness.core.stats import batch_half_width, median_ci, order_ci, summarize
 from harness.levers.common import round_ratio
 
 IDS = [f"cell{i}" for i in range(6)]
@@ -40,7 +41,7 @@ def _run(policy: Policy, sd: float, budget_n: int | None = None) -> tuple[int, s
     while True:
         samples.append(next(stream))
         over = budget_n is not None and len(samples) >= budget_n
-        reason = stop_reason(samples, policy, over_budget=over)
+        reason = stop_reason(len(samples), relative_ci(samples), policy, over_budget=over)
         if reason:
             return len(samples), reason
 
@@ -65,15 +66,47 @@ def test_adaptive_never_stops_before_min_repetitions_and_stops_at_max_or_budget(
     assert _run(Policy(5), sd=10.0, budget_n=2) == (5, "fixed")  # the budget spares fixed counts
 
 
-def test_relative_ci_needs_enough_samples_for_95_percent():
-    assert relative_ci([1.0] * 5) is None  # min-max covers the median with 94% only
-    # batch medians 10.5, 9.5, 10: t(0.975, 2)·0.5/√3 = 1.242, wider than min-max's ±1
-    assert relative_ci([10, 11, 9, 10, 10, 10]) == pytest.approx(0.1242, abs=1e-4)
-    assert relative_ci([9, 11, 10, 10, 11, 9]) == pytest.approx(0.1)  # steady batches: min-max
+def test_relative_ci_needs_three_samples():
+    assert relative_ci([10.0, 11.0]) is None
+    assert relative_ci([10.0] * 6) == 0.0
 
 
-def _record(rounds: list[int], rates: list[float]) -> dict:
-    return {"n_gen": 10, "parallel": 1, "decode_tok_s": {"n": len(rates),
+def test_contrasts_pair_cells_that_differ_in_one_setting():
+    cells = {"a": ("m1", "f32", 2), "b": ("m2", "f32", 2), "c": ("m1", "q4_0", 2),
+             "d": ("m2", "q4_0", 1)}
+    assert contrast_pairs(cells) == [("a", "b"), ("a", "c")]
+
+
+def _drifting_cells(rounds: int, seed: int = 5) -> dict:
+    """Two cells 0.5x apart on a machine that swings ±25% from round to round (shared), each
+    with 1% noise of its own."""
+    rng = random.Random(seed)
+    drift = [math.exp(rng.gauss(0, 0.25)) for _ in range(rounds)]
+    return {"a": {r: 100 * drift[r] * rng.gauss(1, 0.01) for r in range(rounds)},
+            "b": {r: 50 * drift[r] * rng.gauss(1, 0.01) for r in range(rounds)}}
+
+
+def _stop_round(target: str, budget: int = 40) -> tuple[int, str]:
+    policy = Policy(None, target_ci=0.03, min_repetitions=6)
+    for n in range(1, budget + 1):
+        data = _drifting_cells(n)
+        width = widest_ci("a", [("b", "decode")], lambda c, _, d=data: d[c], target)
+        reason = stop_reason(n, width, policy, over_budget=n == budget)
+        if reason:
+            return n, reason
+    raise AssertionError("never stopped")
+
+
+def test_stopping_on_contrasts_ends_long_before_the_absolute_figures_would():
+    """The drift is shared: the contrast is within ±3% at the first rounds, while the cells'
+    own figures carry the ±25% swings and run to the budget."""
+    assert _stop_round("contrasts") == (6, "target")
+    assert _stop_round("absolute") == (40, "budget")
+
+
+def _record(rounds: list[int], rates: list[float], model: str = "m") -> dict:
+    return {"id": f"{model}|f32|t2", "model": model, "dtype": "f32", "threads": 2,
+            "n_gen": 10, "parallel": 1, "decode_tok_s": {"n": len(rates),
                                                          "median": statistics.median(rates)},
             "samples": {"rounds": rounds, "decode_s": [[10 / r] for r in rates]}}
 
@@ -84,14 +117,17 @@ def test_paired_ratio_recovers_the_true_ratio_under_drift():
     drift = [1.0 - 0.02 * r for r in range(30)]
     a_rounds = list(range(30))
     b_rounds = list(range(10, 30))  # B started late (a resumed or grouped run)
-    a = _record(a_rounds, [50 * drift[r] for r in a_rounds])
-    b = _record(b_rounds, [40 * drift[r] for r in b_rounds])
+    a = _record(a_rounds, [50 * drift[r] for r in a_rounds], "a")
+    b = _record(b_rounds, [40 * drift[r] for r in b_rounds], "b")
     paired = round_ratio(b, a, "decode")
     assert paired["paired"] and paired["median"] == pytest.approx(0.8)
+    assert paired["name"] == "decode of f32 t2: b ÷ a" and paired["numerator"] == "b|f32|t2"
     unpaired = b["decode_tok_s"]["median"] / a["decode_tok_s"]["median"]
     assert abs(unpaired - 0.8) > 0.05
+    assert paired["median_ci95"][0] <= 0.8 <= paired["median_ci95"][1]
     old = round_ratio({**b, "samples": {}}, {**a, "samples": {}}, "decode")
     assert not old["paired"] and old["median"] == pytest.approx(unpaired)
+    assert old["why"] == "the run recorded no rounds"
 
 
 def test_groups_fit_in_ram_largest_first():
@@ -99,49 +135,3 @@ def test_groups_fit_in_ram_largest_first():
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 12) == [["a", "b", "c"]]
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 9) == [["a", "b"], ["c"]]
     assert group_by_memory({"a": 5, "b": 4, "c": 3}, 7) == [["a"], ["b", "c"]]
-
-
-def _regime_run(rng: random.Random, n: int) -> list[float]:
-    """A machine that flips between a fast (100) and a slow (75) spell that lasts many rounds,
-    with 5% noise per repetition: what this VM does for minutes at a time."""
-    fast, out = rng.random() < 0.5, []
-    for _ in range(n):
-        if rng.random() < 0.08:
-            fast = not fast
-        out.append((100.0 if fast else 75.0) * rng.gauss(1.0, 0.05))
-    return out
-
-
-def _two_run_coverage(ci) -> float:
-    """How often two runs' difference of medians lies within their combined 95% half-widths."""
-    rng, covered = random.Random(7), 0
-    for _ in range(300):
-        a, b = _regime_run(rng, 20), _regime_run(rng, 20)
-        (lo_a, hi_a), (lo_b, hi_b) = ci(a)[0], ci(b)[0]
-        half = math.hypot((hi_a - lo_a) / 2, (hi_b - lo_b) / 2)
-        covered += abs(statistics.median(a) - statistics.median(b)) <= half
-    return covered / 300
-
-
-def test_batch_medians_widen_the_ci_until_it_covers_two_runs_under_long_regimes():
-    assert _two_run_coverage(order_ci) < 0.6  # rounds are not independent: far too narrow
-    assert _two_run_coverage(median_ci) >= 0.88
-
-
-def test_batch_medians_leave_independent_samples_nearly_alone():
-    rng = random.Random(3)
-    covered, widths = 0, []
-    for _ in range(300):
-        xs = [rng.gauss(100.0, 5.0) for _ in range(20)]
-        (lo, hi), _ = median_ci(xs)
-        covered += lo <= 100.0 <= hi
-        widths.append((hi - lo) / (order_ci(xs)[0][1] - order_ci(xs)[0][0]))
-    assert covered / 300 >= 0.95
-    assert statistics.median(widths) < 2.5  # the price of three batches: t(0.975, 2) = 4.3
-    assert batch_half_width([1.0] * 5) is None  # under two samples per batch
-
-
-def test_summaries_keep_the_independent_interval_beside_the_stated_one():
-    s = summarize([10.0] * 8 + [20.0] * 5 + [10.0] * 8)
-    assert s["median_ci95_independent"] == [10.0, 10.0]
-    assert s["median_ci95"][1] > 20.0  # the middle stretch of the run ran at another level

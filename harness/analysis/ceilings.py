@@ -4,7 +4,7 @@ use. Pure functions of the stored records."""
 
 from __future__ import annotations
 
-from ..core.stats import half_width
+from ..core.stats import log_median, ratio_summary, relative_half_width, summarize
 
 
 def _samples_key(key: str) -> str:
@@ -14,14 +14,17 @@ def _samples_key(key: str) -> str:
 
 
 def probe_figure(probe: dict | None, threads: int, path: tuple[str, ...]) -> dict | None:
-    """One figure of one probe at a thread count: its value (best pass), samples, layout."""
+    """One figure of one probe at a thread count: the median of its passes (the statistic a
+    repetition is compared with: a best-of would fall with the number of passes), the
+    passes, and the layout."""
     node = ((probe or {}).get("result") or {}).get("threads", {}).get(str(threads))
     for part in path[:-1]:
         node = (node or {}).get(part)
     if not node or not node.get(path[-1]):
         return None
-    return {"value": node[path[-1]], "samples": node.get(_samples_key(path[-1])) or [],
-            "layout": node.get("layout")}
+    samples = [x for x in node.get(_samples_key(path[-1])) or [] if x and x > 0]
+    return {"value": log_median(samples) if samples else node[path[-1]],
+            "best": node[path[-1]], "samples": samples, "layout": node.get("layout")}
 
 
 def span(m: dict) -> tuple[int, int]:
@@ -33,8 +36,8 @@ def span(m: dict) -> tuple[int, int]:
 def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
                  path: tuple[str, ...]) -> dict:
     """The figure from the probes that measured it nearest a record (or a span of records:
-    the nearest before, every one inside, the nearest after): their mean, and its spread
-    (half-width of the 95% CI of their pooled samples, relative)."""
+    the nearest before, every one inside, the nearest after): the median of their pooled
+    passes, and its spread (the wider side of that median's 95% interval, relative)."""
     lo, hi = seq if isinstance(seq, tuple) else (seq, seq)
     before = next((f for p in reversed(probes) if p["seq"] < lo
                    and (f := probe_figure(p, threads, path))), None)
@@ -47,9 +50,9 @@ def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
            "n_probes": len(found)}
     if not found:
         return out
-    out["value"] = sum(f["value"] for f in found) / len(found)
-    spread = half_width([s for f in found for s in f["samples"]])
-    out["spread"] = spread / out["value"] if spread is not None else None  # relative
+    pooled = [s for f in found for s in f["samples"]]
+    out["value"] = log_median(pooled) if pooled else sum(f["value"] for f in found) / len(found)
+    out["spread"] = relative_half_width(summarize(pooled)) if pooled else None
     if before and after:
         out["drift"] = (after["value"] - before["value"]) / before["value"]
     return out
@@ -77,8 +80,31 @@ def combined_ceiling(weights: dict[str, float], probes: list[dict],
             "layouts": {t: per[t]["layout"] for t in weights}}
 
 
-def above_ceiling(share: float | None, ceiling: dict) -> bool:
-    """A share above 100% by more than the ceiling's own spread."""
+def round_shares(m: dict, phase: str, weights: dict, probes: list[dict], what: str,
+                 per_rate: float) -> dict | None:
+    """A measurement's share of its ceiling, round by round: each repetition's figure (its
+    rate × per_rate) ÷ the ceiling probed just before that round (the median of the
+    probe's passes over the model's tensor types), summarized as a contrast of the run's
+    model; None without beside probes."""
+    beside = {p["round"]: p for p in probes if p.get("when") == "beside" and "round" in p}
+    shares = []
+    for (_, rnd), rate in sorted(round_rates(m, phase).items()):
+        probe = beside.get(rnd)
+        if probe is None:
+            continue
+        c = combined_ceiling(weights, [probe], (probe["seq"] + 1, probe["seq"] + 1),
+                             m["threads"], what)
+        if c["value"]:
+            shares.append(rate * per_rate / c["value"])
+    return ratio_summary(shares) if shares else None
+
+
+def above_ceiling(share: float | None, ceiling: dict, by_round: dict | None = None) -> bool:
+    """A share above 100% beyond its uncertainty: its round-by-round interval wholly above 1,
+    or, without one, above 1 by more than the ceiling's own spread."""
+    ci = (by_round or {}).get("median_ci95")
+    if ci:
+        return ci[0] > 1
     return share is not None and share > 1 + (ceiling.get("spread") or 0)
 
 

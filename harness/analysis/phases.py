@@ -16,14 +16,14 @@ from ..core.costs import (
     prefill_flops,
 )
 from ..core.specs import ModelSpec
-from ..core.stats import center, summarize
+from ..core.stats import center, contrast, ratio_summary, summarize, unpaired
 from .ceilings import (
     above_ceiling,
     ceiling_near,
     combined_ceiling,
     is_plain,
-    rep_rates,
     round_rates,
+    round_shares,
     span,
 )
 
@@ -73,8 +73,12 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
                                   m["threads"], "stream_gb_s")
         read = ceiling_near(probes, span(m), m["threads"], ("read_gb_s",))
         copy = ceiling_near(probes, span(m), m["threads"], ("copy_gb_s",))
-        share = effective / stream["value"] if stream["value"] else None
-        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, stream) else [])
+        by_round = round_shares(m, "decode", model.get("decode_type_n_bytes"), probes,
+                                "stream_gb_s", n_bytes / 1e9)
+        share = (by_round["ratio"] if by_round else
+                 effective / stream["value"] if stream["value"] else None)
+        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, stream, by_round)
+                                    else [])
         rows.append({
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "tok_s": tok,
@@ -82,23 +86,14 @@ def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> l
             "moe": bool(model.get("expert_n_bytes")),
             "effective_gb_s": effective, "stream_ceiling": stream, "read_ceiling": read,
             "copy_ceiling": copy,
-            "share_of_stream": share,
+            "share_of_stream": share, "share_of_stream_ci": by_round,
             "share_of_read": effective / read["value"] if read["value"] else None,
-            "paired_read_ratio": paired_read_ratio(m, n_bytes), "flags": flags,
+            "flags": flags,
             "noise": m.get("noise"),
             # [[RAM group, round], tok/s] of every repetition: the blocks the fit pairs
             "round_rates": [[list(k), x] for k, x in round_rates(m, "decode").items()],
         })
     return rows
-
-
-def paired_read_ratio(m: dict, n_bytes: float) -> dict | None:
-    """Effective bandwidth of each repetition ÷ the mean of the page reads taken right before
-    and after it: drift of the machine cancels in the ratio (not a share of a ceiling)."""
-    reads = m["samples"].get("read_gb_s") or []
-    ratios = [rate * n_bytes / 1e9 / (sum(r) / len(r))
-              for rate, r in zip(rep_rates(m, "decode"), reads, strict=False) if rate and r]
-    return summarize(ratios) if ratios else None
 
 
 def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
@@ -114,14 +109,19 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
         gflop_s = flops / seconds / 1e9
         peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m),
                                 m["threads"], "compute_gflop_s")
-        share = gflop_s / peak["value"] if peak["value"] else None
-        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, peak) else [])
+        by_round = round_shares(m, "prefill", model.get("matmul_type_n_params"), probes,
+                                "compute_gflop_s", flops / m["n_prompt"] / 1e9)
+        share = (by_round["ratio"] if by_round else
+                 gflop_s / peak["value"] if peak["value"] else None)
+        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, peak, by_round)
+                                    else [])
         rows.append({
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "seconds": seconds,
             "n_ubatch": m.get("n_ubatch", 512),
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
-            "share_of_peak": share, "flags": flags, "noise": m.get("noise"),
+            "share_of_peak": share, "share_of_peak_ci": by_round, "flags": flags,
+            "noise": m.get("noise"),
         })
     return rows
 
@@ -162,11 +162,13 @@ def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dic
         out.append(base | {"phase": "prefill", "n_prompt": p["n_prompt"],
                            "gflop_s": p["gflop_s"], "gb_s": prefill_gb_s,
                            "compute_share": p["share_of_peak"],
+                           "compute_share_ci": p.get("share_of_peak_ci"),
                            "stream_share": prefill_gb_s / stream if stream else None})
         out.append(base | {"phase": "decode", "gflop_s": decode_gflop_s,
                            "gb_s": d["effective_gb_s"],
                            "compute_share": decode_gflop_s / peak if peak else None,
-                           "stream_share": d["share_of_stream"]})
+                           "stream_share": d["share_of_stream"],
+                           "stream_share_ci": d.get("share_of_stream_ci")})
     return out
 
 
@@ -197,7 +199,8 @@ def fit_verdicts(rows: list[dict]) -> list[dict]:
         fit = fit_through_origin([r["bytes_per_token"] for r in group],
                                  [center(r["tok_s"]) for r in group])
         out.append({"threads": threads, "dtype": dtype, "ids": [r["id"] for r in group],
-                    "fit": fit.__dict__} | verdict(fit, group) | round_fits(group))
+                    "fit": fit.__dict__, "size_contrasts": size_contrasts(group)}
+                   | verdict(fit, group) | round_fits(group))
     return out
 
 
@@ -220,8 +223,32 @@ def round_fits(group: list[dict]) -> dict:
             ratios[i].append(x / (fit.gb_s * 1e9 / b))
     return {"round_fit_gb_s": summarize(fits),
             "round_residuals": [{"model": r["model"], "dtype": r["dtype"],
-                                 "measured_over_fit": summarize(x)}
+                                 "measured_over_fit": ratio_summary(x) | {
+                                     "numerator": r["id"], "denominator": "the size fit",
+                                     "metric": "decode_tok_s",
+                                     "name": f"decode of {r['model']} {r['dtype']}: measured "
+                                             "÷ the fit through every size, round by round"}}
                                 for r, x in zip(group, ratios, strict=True)]}
+
+
+def size_contrasts(group: list[dict]) -> list[dict]:
+    """Every pair of model sizes in a fit: the larger's decode rate ÷ the smaller's, round by
+    round, beside the ratio the bytes predict (smaller's bytes ÷ larger's)."""
+    rows = sorted(group, key=lambda r: r["bytes_per_token"])
+    out = []
+    for i, small in enumerate(rows):
+        for big in rows[i + 1:]:
+            c = contrast({tuple(k): x for k, x in big.get("round_rates") or []},
+                         {tuple(k): x for k, x in small.get("round_rates") or []})
+            if c is None:  # never in a round together: their intervals, drift kept
+                c = unpaired(big["tok_s"], small["tok_s"])
+            out.append(c | {
+                "numerator": big["id"], "denominator": small["id"], "metric": "decode_tok_s",
+                "name": f"decode, {big['model']} ÷ {small['model']} ({small['dtype']})",
+                "predicted": small["bytes_per_token"] / big["bytes_per_token"],
+                "big": big["model"], "small": small["model"],
+                "bytes_ratio": big["bytes_per_token"] / small["bytes_per_token"]})
+    return out
 
 
 def verdict(fit: Fit, group: list[dict]) -> dict:

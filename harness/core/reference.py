@@ -19,7 +19,7 @@ The block (every key but source and hardware optional):
 from __future__ import annotations
 
 from .errors import HarnessError
-from .stats import center
+from .stats import center, decide, scaled, unpaired
 from .yamlio import Doc, check_keys, want_float, want_int, want_mapping, want_str
 
 FIGURE_NUMBERS = {"prefill_s": "s", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s",
@@ -152,21 +152,75 @@ def _size_rows(analysis: dict) -> list[dict]:
     return sorted(rows, key=lambda r: r["bytes_per_token"])
 
 
+def _ci_text(c: dict | None, digits: int = 2, pct: bool = False) -> str:
+    """A ratio with its 95% interval in brackets (none when it has none)."""
+    if not c:
+        return "–"
+    ci = c.get("median_ci95")
+
+    def f(x: float) -> str:
+        return f"{x:.0%}" if pct else f"{x:.{digits}f}×"
+
+    return f(center(c)) + (f" [{f(ci[0])}–{f(ci[1])}]" if ci else " (no interval)")
+
+
+def _over(c: dict | None, factor: float) -> dict | None:
+    """A ratio divided by a constant (measured ÷ predicted)."""
+    return scaled(c, 1 / factor) if c else None
+
+
+def combine(verdicts: list[str]) -> str:
+    """Parts of one claim: it holds when every part holds, does not when one does not."""
+    if "does not hold" in verdicts:
+        return "does not hold"
+    return "holds" if all(v == "holds" for v in verdicts) else "undecided"
+
+
+def needed(c: dict, low: float | None, high: float | None) -> str:
+    """The precision that would decide an undecided ratio: its distance to the nearer edge."""
+    mid = center(c)
+    edges = [e for e in (low, high) if e is not None]
+    gap = min(abs(mid - e) for e in edges) / mid
+    return f"±{gap:.1%} or better would decide it" if gap > 0 else "it sits on the edge"
+
+
+def _verdict(parts: list[tuple[str, dict | None, float | None, float | None]]) -> dict:
+    """Each part: (what, its ratio, the low and high edge it must lie within)."""
+    verdicts = [decide((c or {}).get("median_ci95"), lo, hi) for _, c, lo, hi in parts]
+    out = {"verdict": combine(verdicts)}
+    if out["verdict"] == "undecided":
+        open_parts = [f"{what}: {needed(c, lo, hi)}" for (what, c, lo, hi), v
+                      in zip(parts, verdicts, strict=True) if v == "undecided" and c]
+        out["undecided_because"] = ("the interval straddles the tolerance (" +
+                                    "; ".join(open_parts) + ")")
+    out["contrasts"] = [{"what": what, "ratio": center(c), "ci95": (c or {}).get("median_ci95"),
+                         "low": lo, "high": hi, "verdict": v}
+                        for (what, c, lo, hi), v in zip(parts, verdicts, strict=True)]
+    return out
+
+
 def _decode_follows_bytes(claim: dict, analysis: dict, env: dict) -> dict:
-    rows = _size_rows(analysis)
-    if len(rows) < 2:
+    fit = max(analysis.get("fits") or [], key=lambda f: f["threads"], default=None)
+    pairs = (fit or {}).get("size_contrasts") or []
+    if not pairs:
         return _not_measured("needs decode of two model sizes")
-    worst, parts = 0.0, []
-    for small, big in zip(rows, rows[1:], strict=False):
-        predicted = small["bytes_per_token"] / big["bytes_per_token"]
-        measured = center(big["tok_s"]) / center(small["tok_s"])
-        worst = max(worst, abs(measured / predicted - 1))
-        parts.append(f"{big['model']} reads {1 / predicted:.2f}× the bytes of {small['model']} "
-                     f"and decodes at {measured:.2f}× its speed (bytes predict "
-                     f"{predicted:.2f}×)")
-    holds = worst <= claim["tolerance"]
-    return {"verdict": "holds" if holds else "does not hold", "measured": "; ".join(parts),
-            "why": f"largest miss {worst:.0%}, tolerance ±{claim['tolerance']:.0%}"}
+    tol = claim["tolerance"]
+    parts, text = [], []
+    for c in pairs:
+        of = _over(c, c["predicted"])
+        parts.append((f"{c['big']} ÷ {c['small']}", of, 1 - tol, 1 + tol))
+        text.append(f"{c['big']} reads {c['bytes_ratio']:.2f}× the bytes of {c['small']} and "
+                    f"decodes at {_ci_text(c)} its speed (bytes predict {c['predicted']:.2f}×"
+                    f"; measured ÷ predicted {_ci_text(of)})")
+    worst = max(abs(center(of) - 1) for _, of, _, _ in parts)
+    out = _verdict(parts)
+    return out | {"measured": "; ".join(text), "tolerance": tol,
+                  "why": f"every pair of sizes, each within ±{tol:.0%} with its interval "
+                         f"(largest miss {worst:.0%})" + _undecided(out)}
+
+
+def _undecided(out: dict) -> str:
+    return f"; undecided: {out['undecided_because']}" if "undecided_because" in out else ""
 
 
 def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
@@ -176,15 +230,20 @@ def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
     if not pre or not dec:
         return _not_measured("needs prefill and decode with their ceilings measured")
     need = claim["min_share"]
-    holds = (pre["compute_share"] >= need and dec["stream_share"] >= need
-             and pre["compute_share"] > pre["stream_share"]
-             and dec["stream_share"] > dec["compute_share"])
-    measured = (f"prefill {pre['compute_share']:.0%} of compute, {pre['stream_share']:.0%} of "
-                f"bandwidth; decode {dec['compute_share']:.0%} of compute, "
-                f"{dec['stream_share']:.0%} of bandwidth ({pre['model']} {pre['dtype']})")
-    return {"verdict": "holds" if holds else "does not hold", "measured": measured,
-            "why": f"each phase needs ≥ {need:.0%} of its own resource and more of it than of "
-                   "the other"}
+    pre_c = pre.get("compute_share_ci") or {"n": 1, "median": pre["compute_share"]}
+    dec_c = dec.get("stream_share_ci") or {"n": 1, "median": dec["stream_share"]}
+    out = _verdict([("prefill's share of the compute peak", pre_c, need, None),
+                    ("decode's share of the streaming ceiling", dec_c, need, None)])
+    if out["verdict"] != "does not hold" and not (
+            pre["compute_share"] > pre["stream_share"]
+            and dec["stream_share"] > dec["compute_share"]):
+        out["verdict"] = "does not hold"
+    measured = (f"prefill {_ci_text(pre_c, pct=True)} of compute, {pre['stream_share']:.0%} "
+                f"of bandwidth; decode {dec['compute_share']:.0%} of compute, "
+                f"{_ci_text(dec_c, pct=True)} of bandwidth ({pre['model']} {pre['dtype']})")
+    return out | {"measured": measured, "tolerance": need,
+                  "why": f"each phase needs ≥ {need:.0%} of its own resource (its interval "
+                         "too) and more of it than of the other" + _undecided(out)}
 
 
 def _quant(claim: dict, analysis: dict, env: dict) -> dict:
@@ -192,19 +251,19 @@ def _quant(claim: dict, analysis: dict, env: dict) -> dict:
     q = next((r for r in rows if r["dtype"] == claim["dtype"] and r["baseline"] == "f32"), None)
     if not q or q.get("decode_speedup") is None or q.get("prefill_speedup") is None:
         return _not_measured(f"needs decode and prefill of {claim['dtype']} beside F32")
-    dec, pre = q["decode_speedup"], q["prefill_speedup"]
-    ok_dec, ok_pre = dec >= claim["min_decode_speedup"], pre <= claim["max_prefill_speedup"]
-    measured = f"{claim['dtype'].upper()} decode {dec:.2f}×, prefill {pre:.2f}× F32"
-    if ok_dec and ok_pre:
-        return {"verdict": "holds", "measured": measured,
-                "why": f"decode ≥ {claim['min_decode_speedup']:.2f}×, prefill ≤ "
-                       f"{claim['max_prefill_speedup']:.2f}×"}
-    why = [] if ok_dec else [f"decode gained less than {claim['min_decode_speedup']:.2f}×"]
-    if not ok_pre:
-        why.append(f"prefill gained {pre:.2f}×, more than {claim['max_prefill_speedup']:.2f}×: "
-                   f"this CPU's integer kernels ({_cpu_features(env)}) run the quantized "
-                   "matrices faster than F32, so prefill's compute got cheaper too")
-    return {"verdict": "does not hold", "measured": measured, "why": "; ".join(why)}
+    dec, pre = q["decode_speedup_ci"], q["prefill_speedup_ci"]
+    lo_dec, hi_pre = claim["min_decode_speedup"], claim["max_prefill_speedup"]
+    out = _verdict([("decode speed-up", dec, lo_dec, None),
+                    ("prefill speed-up", pre, None, hi_pre)])
+    measured = (f"{claim['dtype'].upper()} decode {_ci_text(dec)}, prefill {_ci_text(pre)} "
+                "F32")
+    why = [f"decode ≥ {lo_dec:.2f}×, prefill ≤ {hi_pre:.2f}×, each with its interval"]
+    if decide(pre.get("median_ci95"), None, hi_pre) == "does not hold":
+        why.append(f"prefill gained more than {hi_pre:.2f}×: this CPU's integer kernels "
+                   f"({_cpu_features(env)}) run the quantized matrices faster than F32, so "
+                   "prefill's compute got cheaper too")
+    return out | {"measured": measured, "tolerance": [lo_dec, hi_pre],
+                  "why": "; ".join(why) + _undecided(out)}
 
 
 def _cpu_features(env: dict) -> str:
@@ -220,12 +279,16 @@ def _batching(claim: dict, analysis: dict, env: dict) -> dict:
                None)
     if not row:
         return _not_measured(f"needs decode of 1 and {claim['parallel']} sequences")
-    holds = row["speedup"] >= claim["min_gain"]
-    per_seq = center(row["per_sequence_tok_s"])
-    return {"verdict": "holds" if holds else "does not hold",
-            "measured": f"{row['parallel']} sequences: {row['speedup']:.2f}× the aggregate "
-                        f"tok/s of one, each sequence at {per_seq:.1f} tok/s",
-            "why": f"needs ≥ {claim['min_gain']:.1f}×"}
+    gain = row["speedup_ci"]
+    each = _over(gain, row["parallel"])
+    out = _verdict([("aggregate gain", gain, claim["min_gain"], None)])
+    return out | {"tolerance": claim["min_gain"],
+                  "measured": f"{row['parallel']} sequences: {_ci_text(gain)} the aggregate "
+                              f"tok/s of one, while each sequence ran at {_ci_text(each)} the "
+                              f"speed of one alone ({center(row['per_sequence_tok_s']):.1f} "
+                              "tok/s)",
+                  "why": f"needs ≥ {claim['min_gain']:.1f}× aggregate; the per-user cost is "
+                         "the price of it" + _undecided(out)}
 
 
 def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
@@ -237,26 +300,42 @@ def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
     same = [d for d in dec if (d["model"], d["dtype"]) == (longest["model"], longest["dtype"])]
     if not same:
         return _not_measured("needs decode of the model of the longest prompt")
+    # steps = prefill seconds ÷ seconds per step = n_prompt × decode tok/s ÷ prefill tok/s
+    steps = scaled(unpaired(same[0]["tok_s"], longest["tok_s"]), longest["n_prompt"])
+    out = _verdict([("decode steps in the first token's time", steps, claim["min_tokens"],
+                     None)])
     ms = 1000 / center(same[0]["tok_s"])
-    steps = longest["seconds"] * 1000 / ms
-    holds = steps >= claim["min_tokens"]
-    return {"verdict": "holds" if holds else "does not hold",
-            "measured": f"{longest['n_prompt']:,} tokens: {longest['seconds']:.1f} s before the "
-                        f"first token, the time of {steps:.0f} decode steps of {ms:.0f} ms",
-            "why": f"needs ≥ {claim['min_tokens']} decode steps"}
+    ci = steps.get("median_ci95")
+    return out | {"tolerance": claim["min_tokens"],
+                  "measured": f"{longest['n_prompt']:,} tokens: {longest['seconds']:.1f} s "
+                              f"before the first token, the time of {center(steps):.0f}"
+                              + (f" [{ci[0]:.0f}–{ci[1]:.0f}]" if ci else "")
+                              + f" decode steps of {ms:.0f} ms",
+                  "why": f"needs ≥ {claim['min_tokens']} decode steps" + _undecided(out)}
 
 
 def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
-    shares = [(r["effective_gb_s"] / r["copy_ceiling"]["value"], r) for r in _size_rows(analysis)
-              if (r.get("copy_ceiling") or {}).get("value")]
-    if not shares:
+    parts = []
+    for r in _size_rows(analysis):
+        copy = r.get("copy_ceiling") or {}
+        if not copy.get("value"):
+            continue
+        spread = copy.get("spread") or 0.0
+        yardstick = {"n": 1, "median": copy["value"],
+                     "median_ci95": [copy["value"] * (1 - spread), copy["value"] * (1 + spread)]}
+        share = unpaired(scaled(r["tok_s"], r["bytes_per_token"] / 1e9), yardstick)
+        parts.append((r["model"], share, claim["low"], claim["high"]))
+    if not parts:
         return _not_measured("needs decode with a numpy copy measured beside it")
-    lo, hi = min(s for s, _ in shares), max(s for s, _ in shares)
-    holds = claim["low"] <= lo and hi <= claim["high"]
-    return {"verdict": "holds" if holds else "does not hold",
-            "measured": f"decode of {', '.join(r['model'] for _, r in shares)} reached "
-                        f"{lo:.0%}–{hi:.0%} of the numpy copy bandwidth",
-            "why": f"band {claim['low']:.0%}–{claim['high']:.0%}"}
+    out = _verdict(parts)
+    shares = [center(c) for _, c, _, _ in parts]
+    return out | {"tolerance": [claim["low"], claim["high"]],
+                  "measured": "decode reached " + ", ".join(
+                      f"{m} {_ci_text(c, pct=True)}" for m, c, _, _ in parts)
+                  + f" of the numpy copy bandwidth ({min(shares):.0%}–{max(shares):.0%}; the "
+                    "course's own yardstick is a copy, so this one is too)",
+                  "why": f"band {claim['low']:.0%}–{claim['high']:.0%}, each interval inside"
+                         + _undecided(out)}
 
 
 CHECKS = {"decode_follows_bytes": _decode_follows_bytes,

@@ -8,20 +8,18 @@ every cell alike instead of one cell's whole series. Pure functions: the runner 
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass
 
-from .stats import CONFIDENCE, median_ci
-
-MIN_SAMPLES_FOR_TARGET = 6  # the fewest samples whose order-statistic CI reaches 95%
+from .stats import absolute_interval, contrast, log_median
 
 
 @dataclass(frozen=True)
 class Policy:
-    """How many repetitions a cell gets: a fixed count, or `auto` until its CI is narrow."""
+    """How many repetitions a cell gets: a fixed count, or `auto` until the intervals it is
+    judged on (its contrasts, or its absolute figure) are narrow."""
 
     repetitions: int | None  # None: auto
-    target_ci: float = 0.03  # auto: stop when the 95% CI of the median is within ±3% of it
+    target_ci: float = 0.03  # auto: stop when the 95% intervals are within ±3%
     min_repetitions: int = 6
     max_repetitions: int = 200
 
@@ -39,26 +37,56 @@ def round_order(cell_ids: list[str], seed: int, round_index: int) -> list[str]:
 
 
 def relative_ci(samples: list[float]) -> float | None:
-    """Half-width of the median's 95% CI relative to the median (the wider side), or None
-    while there are too few samples for 95% coverage."""
-    if len(samples) < MIN_SAMPLES_FOR_TARGET:
+    """The wider side of the 95% interval of a cell's long-run median relative to it (None
+    under 3 samples)."""
+    ci = absolute_interval(samples)
+    if not ci:
         return None
-    (lo, hi), coverage = median_ci(samples)
-    mid = statistics.median(samples)
-    if coverage < CONFIDENCE or not mid:
-        return None
-    return max(mid - lo, hi - mid) / mid
+    mid = log_median(samples)
+    return max(mid - ci[0], ci[1] - mid) / mid
 
 
-def stop_reason(samples: list[float], policy: Policy, over_budget: bool = False) -> str | None:
+def contrast_ci(ours: dict, theirs: dict) -> float | None:
+    """The wider side of a contrast's 95% interval relative to its ratio (per-round rates of
+    two cells, {round: rate}); None under 3 shared rounds."""
+    c = contrast(ours, theirs)
+    if not c or not c["median_ci95"]:
+        return None
+    lo, hi = c["median_ci95"]
+    return max(c["ratio"] - lo, hi - c["ratio"]) / c["ratio"]
+
+
+def contrast_pairs(cells: dict[str, tuple]) -> list[tuple[str, str]]:
+    """The comparisons a report draws between cells: pairs whose settings (a tuple per cell,
+    the context left out since it follows the others) differ in exactly one place: model,
+    weight type, threads, prompt, generation, depth, KV type, sequences..."""
+    ids = sorted(cells)
+    return [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]
+            if sum(x != y for x, y in zip(cells[a], cells[b], strict=True)) == 1]
+
+
+def widest_ci(cell: str, partners: list[tuple[str, str]], series, target: str = "contrasts"
+              ) -> float | None:
+    """The widest relative interval a cell is judged on: its contrasts with its partners
+    ((partner, phase) pairs; series(cell, phase) gives {round: rate}) when target is
+    `contrasts` and it has any, else its own long-run median; None while one is missing."""
+    if target == "absolute" or not partners:
+        own = series(cell, None)
+        return relative_ci([own[k] for k in sorted(own)])
+    widths = [contrast_ci(series(cell, phase), series(other, phase))
+              for other, phase in partners]
+    return None if any(w is None for w in widths) else max(widths)
+
+
+def stop_reason(n: int, ci: float | None, policy: Policy, over_budget: bool = False
+                ) -> str | None:
     """Why a cell leaves the rounds now ("fixed", "target", "max", "budget"), or None to go
-    on. The run's time budget stops only `auto` cells, and never before min_repetitions."""
-    n = len(samples)
+    on, from its repetitions so far and the widest interval it is judged on. The run's time
+    budget stops only `auto` cells, and never before min_repetitions."""
     if not policy.auto:
         return "fixed" if n >= policy.repetitions else None
     if n >= policy.max_repetitions:
         return "max"
-    ci = relative_ci(samples)
     if n >= policy.min_repetitions and ci is not None and ci <= policy.target_ci:
         return "target"
     if over_budget and n >= policy.min_repetitions:

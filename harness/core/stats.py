@@ -1,100 +1,107 @@
-"""Summary statistics of raw samples: the numbers every table shows, with their spread.
+"""The run's statistical model, stated once: every interval a report prints is derived here.
 
-Convention: tables show the median of the per-repetition values with a 95% confidence interval
-of the median, and the mean with its Student-t interval stays in the records. Samples come in
-the order they were measured. The interval is the wider of two: the distribution-free
-order-statistic interval, which assumes repetitions independent, and a batch-medians interval
-from three consecutive stretches of the run, which widens it when the machine's slow and fast
-spells last longer than a round (they do: minutes on a shared VM) and a whole stretch of the run
-sits in one of them.
+A run is a blocked design. Every round is a block in which each cell still running does one
+repetition, so the log rate of cell c in round r is
+
+    log y[c, r] = a[c] + b[r] + e[c, r]
+
+with a the cell effect, b the machine's state in that round (its drift, shared by every cell)
+and e the residual. Two quantities are estimated from it:
+
+- a **contrast** (cell c against cell d): exp(a[c] - a[d]), estimated from the rounds both
+  ran, as the geometric mean of the per-round ratios (b cancels round by round; it is the
+  fixed-effects estimate of the two-cell model), with a Student-t interval of the mean log
+  ratio;
+- an **absolute** figure (a cell's tok/s, seconds, GB/s): the cell's long-run median, drift
+  included, estimated by the median of its repetitions with an interval whose width counts the
+  round-to-round variance and its persistence (an effective number of rounds).
+
+Both intervals are computed on the log scale, so tok/s, ms per token and seconds are exact
+inverses of one another in every table, and both use the same effective number of rounds:
+n (1 - rho) / (1 + rho), rho the lag-1 autocorrelation with Kendall's small-sample bias
+correction (rho + (1 + 4 rho) / n; Kendall 1954, Marriott & Pope 1954), kept in [0, 0.9] and
+taken as 0 under 6 rounds, where it is noise: slow and fast spells that last several rounds
+make consecutive rounds agree, and fewer of them independent. The median's standard error is
+sqrt(pi / 2) times the mean's (its asymptotic efficiency under normal errors). The machine's
+drift is stated once: exp(b[r]) per round, each cell's log rate minus its own median, the
+median over the cells of the round.
+scripts/sim_intervals.py measures every interval's coverage and width by simulation.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
+from collections.abc import Iterable
 
+import numpy as np
 from scipy import stats as sps
 
 UNSTABLE_CV = 0.05  # a measurement whose coefficient of variation exceeds 5% is flagged
 CONFIDENCE = 0.95
+MAX_RHO = 0.9  # a persistence estimated above this says too few rounds, not 0.99
+MEDIAN_SE = math.sqrt(math.pi / 2)  # s.e. of the median over s.e. of the mean (normal errors)
+MIN_ROUNDS = 3  # the fewest rounds an interval is computed from
+MIN_ROUNDS_FOR_RHO = 6  # under 6 rounds a lag-1 autocorrelation is noise: counted as 0
 
 
-def t_critical_95(df: int) -> float:
-    """t(0.975, df), the two-sided 95% Student-t quantile."""
+def t_critical_95(df: float) -> float:
+    """t(0.975, df), the two-sided 95% Student-t quantile (df may be fractional)."""
     return float(sps.t.ppf(0.5 + CONFIDENCE / 2, df)) if df >= 1 else math.nan
 
 
-def order_ci(samples: list[float]) -> tuple[list[float], float]:
-    """95% CI of the median from order statistics: [x(k), x(n+1-k)] with the largest k whose
-    coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least 95% (Hollander & Wolfe, Nonparametric
-    Statistical Methods, 3.6). Under 6 samples no k reaches 95%: [min, max] and its coverage."""
-    xs, n = sorted(samples), len(samples)
-    k = 1
-    while k + 1 <= n // 2 and 1 - 2 * sps.binom.cdf(k, n, 0.5) >= CONFIDENCE:
-        k += 1
-    coverage = 1 - 2 * sps.binom.cdf(k - 1, n, 0.5)
-    return [xs[k - 1], xs[n - k]], float(coverage)
+def effective_n(logs: list[float]) -> float:
+    """The number of independent rounds the series is worth: n (1 - rho) / (1 + rho)."""
+    n = len(logs)
+    if n < MIN_ROUNDS_FOR_RHO:
+        return float(n)
+    xs = np.asarray(logs, dtype=float) - float(np.mean(logs))
+    denom = float(xs @ xs)
+    rho = float(xs[1:] @ xs[:-1]) / denom if denom > 0 and n > 2 else 0.0
+    rho = min(MAX_RHO, max(0.0, rho + (1 + 4 * rho) / n))
+    return n * (1 - rho) / (1 + rho)
 
 
-BATCHES = 3  # consecutive stretches of the run for the batch-medians interval
-
-
-def batch_half_width(samples: list[float]) -> float | None:
-    """Half-width t(0.975, K-1)·sd(batch medians)/√K over K=3 consecutive batches of the samples
-    in measurement order: nonoverlapping batch means (Law, Simulation Modeling and Analysis,
-    5th ed., 9.5.3), with medians; None under 2 samples per batch."""
-    if len(samples) < 2 * BATCHES:
+def _half_width(logs: list[float], se_factor: float) -> float | None:
+    """t(0.975, n_eff - 1) · se_factor · sd / √n_eff on the log scale; None under 3 rounds."""
+    if len(logs) < MIN_ROUNDS:
         return None
-    size, extra = divmod(len(samples), BATCHES)
-    bounds = [i * size + min(i, extra) for i in range(BATCHES + 1)]
-    medians = [statistics.median(samples[a:b]) for a, b in itertools.pairwise(bounds)]
-    return t_critical_95(BATCHES - 1) * statistics.stdev(medians) / math.sqrt(BATCHES)
+    n_eff = max(effective_n(logs), 2.0)
+    return t_critical_95(n_eff - 1) * se_factor * statistics.stdev(logs) / math.sqrt(n_eff)
 
 
-def median_ci(samples: list[float]) -> tuple[list[float], float]:
-    """The 95% CI of the median the tables show: the order-statistic interval widened to
-    median ± the batch-medians half-width where that is wider (samples in measurement order).
-    The coverage returned is the order-statistic interval's, a lower bound for the union."""
-    independent, coverage = order_ci(samples)
-    return widened(independent, samples), coverage
+def _logs(values: Iterable[float]) -> list[float]:
+    return [math.log(v) for v in values if v and v > 0]
 
 
-def widened(ci: list[float], samples: list[float]) -> list[float]:
-    """An interval of the median widened to median ± the batch-medians half-width where that
-    is wider."""
-    half = batch_half_width(samples)
+def log_median(values: list[float]) -> float:
+    """The median on the log scale: exp(median(log x)), so 1/x has the inverse median."""
+    return math.exp(statistics.median(_logs(values)))
+
+
+def absolute_interval(values: list[float]) -> list[float] | None:
+    """95% interval of the long-run median of positive values in measurement order (one per
+    round), drift and its persistence included; None under 3 values."""
+    logs = _logs(values)
+    half = _half_width(logs, MEDIAN_SE)
     if half is None:
-        return list(ci)
-    mid = statistics.median(samples)
-    return [min(ci[0], mid - half), max(ci[1], mid + half)]
+        return None
+    mid = statistics.median(logs)
+    return [math.exp(mid - half), math.exp(mid + half)]
 
 
 def summarize(samples: list[float]) -> dict:
-    """median with its 95% CI, mean with its 95% CI (t), stdev, min, max and CV."""
+    """A positive quantity's repetitions: the median (log scale) with the interval of its
+    long-run median, and the mean, stdev, min, max and CV of the raw samples."""
     n = len(samples)
     if n == 0:
         return {"n": 0}
     mean = statistics.fmean(samples)
     stdev = statistics.stdev(samples) if n > 1 else 0.0
-    half = t_critical_95(n - 1) * stdev / math.sqrt(n) if n > 1 else math.nan
-    out = {
-        "n": n,
-        "median": statistics.median(samples),
-        "mean": mean,
-        "stdev": stdev,
-        "min": min(samples),
-        "max": max(samples),
-        "cv": stdev / mean if mean else None,
-        "ci95": [mean - half, mean + half] if n > 1 else None,
-    }
-    if n > 1:
-        # one order-statistic interval: kept alone, and widened for the tables
-        independent, out["median_ci_coverage"] = order_ci(samples)
-        out["median_ci95"] = widened(independent, samples)
-        out["median_ci95_independent"] = independent
-    return out
+    return {"n": n, "median": log_median(samples) if min(samples) > 0 else
+            statistics.median(samples), "median_ci95": absolute_interval(samples),
+            "mean": mean, "stdev": stdev, "min": min(samples), "max": max(samples),
+            "cv": stdev / mean if mean else None}
 
 
 def center(summary: dict | None) -> float | None:
@@ -105,7 +112,7 @@ def center(summary: dict | None) -> float | None:
 
 
 def inverse(summary: dict | None, scale: float = 1000.0) -> dict | None:
-    """scale ÷ a rate: ms per token from the same samples' median tok/s and its interval."""
+    """scale ÷ a quantity: ms per token from tok/s, its median and interval exactly inverted."""
     mid = center(summary)
     if not mid:
         return None
@@ -114,11 +121,98 @@ def inverse(summary: dict | None, scale: float = 1000.0) -> dict | None:
             "median_ci95": [scale / ci[1], scale / ci[0]] if ci and ci[0] > 0 else None}
 
 
-def half_width(samples: list[float]) -> float | None:
-    """Half-width of the 95% CI of the samples' mean (None under 2 samples)."""
-    if len(samples) < 2:
+def scaled(summary: dict | None, factor: float) -> dict | None:
+    """A summary multiplied by a positive constant (GB/s from tok/s × bytes per token)."""
+    if not summary or not summary.get("n"):
         return None
-    return t_critical_95(len(samples) - 1) * statistics.stdev(samples) / math.sqrt(len(samples))
+    ci = summary.get("median_ci95")
+    return {"n": summary["n"], "median": center(summary) * factor,
+            "median_ci95": [ci[0] * factor, ci[1] * factor] if ci else None}
+
+
+def relative_half_width(summary: dict | None) -> float | None:
+    """The wider side of a summary's interval relative to its median (None without one)."""
+    mid = center(summary)
+    ci = (summary or {}).get("median_ci95") or (summary or {}).get("ci95")
+    if not mid or not ci:
+        return None
+    return max(mid - ci[0], ci[1] - mid) / mid
+
+
+# --- contrasts: two cells in the rounds they shared ----------------------------------------
+
+
+def contrast(ours: dict, theirs: dict) -> dict | None:
+    """ours ÷ theirs from two cells' per-block rates ({block: rate}): the geometric mean of the
+    per-round ratios over the blocks both ran, with its 95% interval (none under 3 blocks);
+    None when they share no block."""
+    shared = sorted(ours.keys() & theirs.keys())
+    logs = [math.log(ours[k] / theirs[k]) for k in shared if ours[k] > 0 and theirs[k] > 0]
+    if not logs:
+        return None
+    mid = statistics.fmean(logs)
+    half = _half_width(logs, 1.0)
+    return {"n": len(logs), "ratio": math.exp(mid), "median": math.exp(mid),
+            "median_ci95": None if half is None else [math.exp(mid - half),
+                                                      math.exp(mid + half)],
+            "per_round": [math.exp(x) for x in logs], "paired": True}
+
+
+def unpaired(ours: dict, theirs: dict) -> dict | None:
+    """ours ÷ theirs for two figures measured in different rounds (summaries): the ratio of
+    their medians, with an interval combining their absolute intervals on the log scale, so
+    the machine's drift between them is in it rather than cancelled."""
+    x, y = center(ours), center(theirs)
+    if not x or not y:
+        return None
+    ci_x, ci_y = (ours or {}).get("median_ci95"), (theirs or {}).get("median_ci95")
+    ci = None
+    if ci_x and ci_y and min(ci_x + ci_y) > 0:
+        half = math.hypot(max(math.log(ci_x[1] / x), math.log(x / ci_x[0])),
+                          max(math.log(ci_y[1] / y), math.log(y / ci_y[0])))
+        ci = [x / y * math.exp(-half), x / y * math.exp(half)]
+    return {"n": 1, "ratio": x / y, "median": x / y, "median_ci95": ci, "paired": False}
+
+
+def ratio_summary(values: list[float]) -> dict | None:
+    """A contrast already paired inside each repetition (a depth slowdown against its own
+    baseline, a share against the probe of its round): the same estimate and interval."""
+    return contrast(dict(enumerate(values)), dict.fromkeys(range(len(values)), 1.0))
+
+
+def decide(ci: list[float] | None, low: float | None = None, high: float | None = None
+           ) -> str:
+    """A claim that a ratio lies in [low, high], decided on its interval: "holds" when the
+    whole interval lies inside, "does not hold" when it lies wholly outside, else "undecided"."""
+    if not ci:
+        return "undecided"
+    lo, hi = ci
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    if low <= lo and hi <= high:
+        return "holds"
+    if hi < low or lo > high:
+        return "does not hold"
+    return "undecided"
+
+
+def machine_drift(cells: list[dict]) -> dict | None:
+    """The round effects: for each round, the median over the cells that ran in it of the
+    cell's rate ÷ its own log median. cells: {round: rate} per cell."""
+    by_round: dict = {}
+    for rates in cells:
+        if len(rates) < 2:
+            continue
+        mid = log_median(list(rates.values()))
+        for rnd, x in rates.items():
+            by_round.setdefault(rnd, []).append(math.log(x / mid))
+    if len(by_round) < 2:
+        return None
+    effects = {rnd: math.exp(statistics.median(v)) for rnd, v in sorted(by_round.items())}
+    return {"n_rounds": len(effects), "low": min(effects.values()),
+            "high": max(effects.values()),
+            "by_round": [[list(k) if isinstance(k, tuple) else k, x]
+                         for k, x in effects.items()]}
 
 
 def is_unstable(summary: dict) -> bool:

@@ -15,7 +15,6 @@ from dataclasses import asdict
 import numpy as np
 
 from ..core.errors import MeasurementError
-from ..core.stats import rates
 from . import noise
 from .records import summarized
 from .scenario import Measurement
@@ -86,13 +85,22 @@ class Cell:
         self.ctx.close()
 
 
-def target_samples(m: Measurement, reps: list[dict]) -> list[float]:
-    """The per-repetition figure a cell's confidence target is on: tok/s of its decode when
-    it decodes, else of its prefill (time to first token, for a prefix test)."""
-    if m.n_gen:
-        return rates(m.parallel * m.n_gen, [sum(r["decode_s"]) for r in reps if r["decode_s"]])
-    n_prefill = m.parallel * (m.shared_prefix + m.n_prompt)
-    return rates(n_prefill, [r["prefill_s"] for r in reps if r["prefill_s"]])
+def target_phase(m: Measurement) -> str:
+    """The phase a cell's confidence target is on: its decode when it decodes, else its
+    prefill (time to first token, for a prefix test)."""
+    return "decode" if m.n_gen else "prefill"
+
+
+def round_series(m: Measurement, reps: list[dict], phase: str | None = None
+                 ) -> dict[int, float]:
+    """A cell's tok/s of one phase (its target phase by default) keyed by round."""
+    phase = phase or target_phase(m)
+    if phase == "decode":
+        n = m.parallel * m.n_gen
+        return {r["round"]: n / sum(r["rep"]["decode_s"]) for r in reps
+                if r["rep"]["decode_s"] and sum(r["rep"]["decode_s"]) > 0}
+    n = m.parallel * (m.shared_prefix + m.n_prompt)
+    return {r["round"]: n / r["rep"]["prefill_s"] for r in reps if r["rep"]["prefill_s"]}
 
 
 def _check_context_made(ctx, m: Measurement) -> None:

@@ -4,7 +4,7 @@ results file is read. Pure."""
 
 from __future__ import annotations
 
-from ..core.stats import is_unstable, rates, summarize
+from ..core.stats import inverse, is_unstable, rates, ratio_summary, summarize
 from . import noise
 
 PERF_TOLERANCE = 0.05  # llama.cpp's counters may differ from the wall clock by 5% at most
@@ -25,10 +25,9 @@ def summarized(record: dict) -> dict:
         # Tokens served per second: every sequence's tokens (the aggregate when batched).
         "decode_tok_s": (summarize(rates(parallel * n_gen, decode_totals))
                          if decode_totals else None),
-        # Per step: the gap between two tokens of one sequence.
-        "decode_ms_per_token": (summarize([1000 * t / n_gen for t in decode_totals])
-                                if decode_totals else None),
     }
+    # Per step: the gap between two tokens of one sequence, the exact inverse of the rate.
+    record["decode_ms_per_token"] = inverse(record["decode_tok_s"], 1000.0 * parallel)
     if parallel > 1 and decode_totals:
         record["per_sequence_tok_s"] = summarize(rates(n_gen, decode_totals))
     if record.get("depth") and decode_totals and "baseline_decode_s" in samples:
@@ -43,8 +42,8 @@ def _paired(record: dict, decode_totals: list[float]) -> None:
     """The depth-0 baseline decoded beside each repetition, and the per-repetition slowdown."""
     totals = [sum(b) for b in record["samples"]["baseline_decode_s"]]
     record["baseline_decode_tok_s"] = summarize(rates(record["n_gen"], totals))
-    record["paired_slowdown"] = summarize([d / b for d, b in zip(decode_totals, totals,
-                                                                  strict=True) if b > 0])
+    record["paired_slowdown"] = ratio_summary([d / b for d, b in zip(decode_totals, totals,
+                                                                      strict=True) if b > 0])
 
 
 def flags(record: dict) -> list[str]:

@@ -28,7 +28,7 @@ MAX_REPETITIONS = 1000
 MAX_THREADS = 1024
 MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
-             "target_ci", "min_repetitions", "max_repetitions", "max_seconds",
+             "target_ci", "target", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
              "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
@@ -121,6 +121,15 @@ class Measurement:
         return "|".join([base, *(e for e in extra if e)])
 
     @property
+    def pairing_key(self) -> tuple:
+        """Every setting but the context (which follows the others): two cells whose keys
+        differ in one place are a comparison the report draws."""
+        s = self.settings
+        return (self.model.label, self.model.dtype, s.threads, s.n_batch, s.n_ubatch,
+                s.flash_attn, self.n_prompt, self.n_gen, self.depth, self.kv_type,
+                self.parallel, self.shared_prefix)
+
+    @property
     def n_seq_ctx(self) -> int:
         """Positions one sequence uses: cached prefix or depth, prompt, generation."""
         return self.shared_prefix + self.depth + self.n_prompt + self.n_gen
@@ -175,6 +184,7 @@ class Scenario:
     measurements: tuple[Measurement, ...]
     max_seconds: float | None = None  # the time budget of a run's rounds
     reference: dict | None = None  # published figures and claims (harness.reference)
+    target: str = "contrasts"  # what target_ci applies to: "contrasts" or "absolute"
 
     @property
     def sha256(self) -> str:
@@ -209,7 +219,21 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         max_seconds=(want_float(doc, ("max_seconds",), data["max_seconds"], minimum=1,
                                 maximum=MAX_SECONDS) if "max_seconds" in data else None),
         reference=(load_reference(doc, data["reference"]) if "reference" in data else None),
+        target=_target(doc, data),
     )
+
+
+TARGETS = ("contrasts", "absolute")
+
+
+def _target(doc: Doc, data: dict) -> str:
+    """What `auto` repetitions run until: the report's contrasts (cells differing in one
+    setting) within target_ci, or every cell's own figure (`absolute`)."""
+    value = data.get("target", "contrasts")
+    if value not in TARGETS:
+        raise doc.error(("target",), f"expected contrasts or absolute, got {value!r}",
+                        fix="write target: contrasts (the default) or target: absolute")
+    return value
 
 
 def _list(doc: Doc, path: tuple, value: object, *, allow_scalar: bool = False) -> list:

@@ -14,7 +14,7 @@ from ..core.costs import (
     mean_decode_context,
     step_weight_n_bytes,
 )
-from ..core.stats import center
+from ..core.stats import center, scaled
 from ..render.plotkit import ci_errors, log2_pair, plt, save
 from ..render.tabular import Column, Table
 from .common import (
@@ -76,7 +76,7 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
             "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")
             or m["decode_tok_s"], "ms_per_step": m["decode_ms_per_token"],
             "speedup": center(ratio := round_ratio(m, base, "decode") if base else None),
-            "speedup_ci": ratio,
+            "speedup_ci": ratio, "per_user_ci": _per_user(ratio, b),
             "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
             # the speed-up if a step's time followed its bytes alone
             "bytes_speedup": b * (solo_n_bytes + kv_n_bytes) / (weight_n_bytes + b * kv_n_bytes),
@@ -85,6 +85,16 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
             "n_experts": spec.num_experts,
             "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
             "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
+
+
+def _per_user(ratio: dict | None, parallel: int) -> dict | None:
+    """Each sequence's speed ÷ one sequence alone: the aggregate gain ÷ the sequences."""
+    if not ratio or parallel == 1:
+        return None
+    out = scaled(ratio, 1 / parallel) | {k: ratio[k] for k in ("numerator", "denominator",
+                                                               "paired") if k in ratio}
+    return out | {"ratio": out["median"], "metric": "per_sequence_tok_s",
+                  "name": ratio["name"] + ", per sequence"}
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:

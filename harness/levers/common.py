@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..analysis.ceilings import round_rates
 from ..core.specs import ModelSpec
-from ..core.stats import center, summarize
+from ..core.stats import center, contrast, unpaired
 
 
 def group_records(records: list[dict], key) -> list[list[dict]]:
@@ -40,21 +40,39 @@ def spec_of(models: dict, m: dict) -> ModelSpec:
     return ModelSpec(**models[m["model_key"]]["spec"])
 
 
-def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
-    """a's rate ÷ b's, round by round where both ran a repetition (drift between rounds
-    cancels), summarized with its own CI; for cells that never shared two rounds (other RAM
-    groups, runs without rounds), the ratio of medians, unpaired, without an interval, and
-    why."""
+def round_ratio(a: dict, b: dict, phase: str, metric: str | None = None) -> dict | None:
+    """a's rate ÷ b's, a contrast of the run's model (harness.core.stats): round by round
+    where both ran a repetition, so drift between rounds cancels; for cells that never shared
+    a round (other RAM groups, runs without rounds), the ratio of medians, unpaired, with an
+    interval that keeps the drift, and why. Named by the two cells' ids and the metric."""
     ours, theirs = round_rates(a, phase), round_rates(b, phase)
-    ratios = [ours[k] / theirs[k] for k in sorted(ours.keys() & theirs.keys())]
-    if len(ratios) >= 2:
-        return summarize(ratios) | {"paired": True}
-    x, y = center(a.get(f"{phase}_tok_s")), center(b.get(f"{phase}_tok_s"))
-    if not x or not y:
-        return None
-    why = ("the run recorded no rounds" if not ours or not theirs else
-           "they shared fewer than 2 rounds (other RAM groups)")
-    return {"n": 1, "median": x / y, "mean": x / y, "paired": False, "why": why}
+    out = contrast(ours, theirs)
+    if a["id"] == b["id"]:  # a cell against itself (a table's baseline row): exactly 1
+        out = {"n": (a.get(f"{phase}_tok_s") or {}).get("n", 1), "ratio": 1.0, "median": 1.0,
+               "median_ci95": [1.0, 1.0], "paired": True}
+    if out is None:
+        out = unpaired(a.get(f"{phase}_tok_s"), b.get(f"{phase}_tok_s"))
+        if out is None:
+            return None
+        out["why"] = ("the run recorded no rounds" if not ours or not theirs else
+                      "they shared no rounds (other RAM groups)")
+    return out | {"numerator": a["id"], "denominator": b["id"],
+                  "metric": metric or f"{phase}_tok_s", "name": contrast_name(a, b, phase)}
+
+
+NAMED = (("model", ""), ("dtype", ""), ("threads", "t"), ("n_prompt", "pp"),
+         ("n_gen", "tg"), ("depth", "d"), ("kv_type", "kv "), ("parallel", "np"))
+
+
+def contrast_name(a: dict, b: dict, phase: str) -> str:
+    """In words: the phase, what both cells share, and what differs (a ÷ b)."""
+    same = [f"{p}{a.get(k)}" for k, p in NAMED if a.get(k) == b.get(k) and a.get(k)]
+    differ = [k for k, _ in NAMED if a.get(k) != b.get(k)]
+
+    def side(m: dict) -> str:
+        return " ".join(f"{p}{m.get(k)}" for k, p in NAMED if k in differ) or m["id"]
+
+    return f"{phase} of {' '.join(same[:2])}: {side(a)} ÷ {side(b)}".replace("of :", "of")
 
 
 def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> list[str]:
@@ -70,7 +88,8 @@ def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> list[str]:
     reasons = "; ".join(f"{', '.join(dict.fromkeys(named))}: {why}"
                         for why, named in by_why.items())
     return [f"Unpaired ratios ({reasons}): each is the ratio of two medians, so the "
-            "machine's drift between them does not cancel, and no interval is given."]
+            "machine's drift between them does not cancel; its interval combines the two "
+            "figures' own intervals, drift included."]
 
 
 @dataclass(frozen=True)

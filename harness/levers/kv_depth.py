@@ -56,6 +56,11 @@ def _kv_row(m: dict, base: dict, models: dict) -> dict:
     paired = m.get("paired_slowdown")
     if paired:  # the same decode at depth 0, timed beside each repetition
         measured, against = paired, "paired depth-0 baseline"
+        if paired.get("median_ci95") and "numerator" not in paired:
+            measured = paired | {
+                "numerator": m["id"], "denominator": f"{m['id']} (its depth-0 baseline)",
+                "metric": "seconds", "name": f"decode step of {m['model']} {m['dtype']} at "
+                f"depth {m['depth']:,} ÷ at depth 0, in the same repetition"}
     elif not m.get("depth"):
         measured, against = {"median": 1.0, "mean": 1.0, "n": 1}, "itself"
     else:  # a run from before the paired baseline existed: another measurement at depth 0

@@ -55,8 +55,9 @@ def notes_for(record: dict, phases: tuple[str, ...] = ("prefill", "decode")) -> 
 
 
 ABOVE_CEILING_NOTE = (
-    "A share above 100% is flagged above-ceiling when it exceeds the ceiling's own spread: the "
-    "model ran faster than ggml's kernel did on the probe matrix, either because llama.cpp's "
+    "A share above 100% is flagged above-ceiling when its whole 95% interval lies above 100% "
+    "(a share is taken round by round, against the probe of the same round): the model ran "
+    "faster than ggml's kernel did on the probe matrix, either because llama.cpp's "
     "own kernels for these shapes are faster than the probe's, or because caches held part of "
     "the weights. The ceiling is what was measured, not a physical bound.")
 
@@ -67,13 +68,11 @@ def ceiling_share_notes(shares: list[tuple[float | None, float | None, bool]]) -
     one above 100% lies within what the ceiling's own probes varied by."""
     out = [ABOVE_CEILING_NOTE] if any(flagged for _, _, flagged in shares) else []
     within = sorted({round(s * 100, 1) for s, spread, flagged in shares
-                     if s and round(s * 100, 1) > 100 and not flagged
-                     and s <= 1 + (spread or 0)})
+                     if s and round(s * 100, 1) > 100 and not flagged})
     if within:
-        out.append(f"Shares of {', '.join(f'{x:.1f}%' for x in within)} exceed 100% by less "
-                   "than the ceiling's own spread (how much its probes beside the measurement "
-                   "varied): within what the ceiling can tell apart, so not flagged "
-                   "above-ceiling.")
+        out.append(f"Shares of {', '.join(f'{x:.1f}%' for x in within)} exceed 100% but their "
+                   "95% intervals (or, without one, the ceiling's own spread) reach down to "
+                   "100%: within what the ceiling can tell apart, so not flagged above-ceiling.")
     return out
 
 
@@ -91,6 +90,10 @@ _FORMATS = {
 def cell(value, kind: str) -> str:
     if value is None or value == "":
         return "–" if kind != "str" else ""
+    if kind == "pctci":  # a share with its interval, in percent
+        ci = value.get("median_ci95")
+        interval = f" ({ci[0]:.0%}–{ci[1]:.0%})" if ci else ""
+        return f"{center(value):.0%}{interval}"
     if kind.startswith("stat"):
         digits = int(kind[4:] or 2)
         ci = value.get("median_ci95")

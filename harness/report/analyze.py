@@ -3,16 +3,18 @@ in the registry. Recomputed whenever a report is rendered from stored records.""
 
 from __future__ import annotations
 
+from ..analysis.ceilings import round_rates
 from ..analysis.estimates import moe_names, prediction_table, predictions, workload_balance
 from ..analysis.machine import ceilings_summary, probe_errors, stability
 from ..analysis.phases import decode_rows, fit_verdicts, phase_use, prefill_rows
 from ..core.errors import HarnessError
 from ..core.specs import all_specs
+from ..core.stats import machine_drift
 from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 10
+ANALYSIS_VERSION = 11
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
@@ -23,7 +25,7 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
     prefill = prefill_rows(measurements, models, probes)
     fits = fit_verdicts(decode)
     levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
-    return levers | {
+    out = levers | {
         "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
         "probe_errors": probe_errors(probes),
         "decode": decode, "fits": fits, "prefill": prefill,
@@ -31,7 +33,31 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
         "stability": stability(measurements, rounds or [], noisy_cores),
         "phase_use": phase_use(decode, prefill, models),
+        "machine_drift": machine_drift([round_rates(m, "decode" if m.get("decode_tok_s")
+                                                    else "prefill") for m in measurements]),
     }
+    return out | {"contrasts": collect_contrasts(out)}
+
+
+CONTRAST_KEYS = ("name", "numerator", "denominator", "metric", "ratio", "ci95", "n", "paired")
+
+
+def collect_contrasts(node, found: dict | None = None) -> list[dict]:
+    """Every comparison the analysis holds (a dict naming a numerator and a denominator), once
+    each, in the JSON report's shape."""
+    found = {} if found is None else found
+    if isinstance(node, dict):
+        if ("numerator" in node and "denominator" in node and node.get("ratio") is not None
+                and node["numerator"] != node["denominator"]):
+            key = (node["numerator"], node["denominator"], node["metric"])
+            found.setdefault(key, {k: v for k, v in (node | {"ci95": node.get("median_ci95")})
+                                   .items() if k in CONTRAST_KEYS})
+        for value in node.values():
+            collect_contrasts(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            collect_contrasts(value, found)
+    return list(found.values())
 
 
 def analyze_records(records) -> dict:

@@ -1,30 +1,54 @@
-"""Compare runs: the same measurements side by side, with ratios and a noise test."""
+"""Compare runs with the run's statistical model (harness.core.stats): the same
+measurements side by side, and the same contrasts side by side. Two runs share no round, so
+each comparison is unpaired: a ratio of two runs' figures with an interval combining their
+intervals on the log scale (drift included), a difference beyond the noise when that interval
+excludes 1."""
 
 from __future__ import annotations
 
+import math
 import re
 
-from scipy.stats import ttest_ind_from_stats
+from ..core.stats import center, unpaired
 
 ENV_KEYS = ("cpu_model", "physical_cores", "ram_total_bytes", "os")
 
 
-def welch_significant(a: dict, b: dict) -> bool | None:
-    """Welch's t-test at 95% on two summaries (mean, stdev, n), by scipy; None when it cannot
-    tell."""
-    if a.get("n", 0) < 2 or b.get("n", 0) < 2:
+def beyond_noise(ratio: dict | None) -> bool | None:
+    """Whether a ratio's 95% interval excludes 1 (None without an interval)."""
+    ci = (ratio or {}).get("median_ci95")
+    if not ci:
         return None
-    if a["stdev"] == 0 and b["stdev"] == 0:
-        return a["mean"] != b["mean"]
-    result = ttest_ind_from_stats(a["mean"], a["stdev"], a["n"], b["mean"], b["stdev"], b["n"],
-                                  equal_var=False)
-    return bool(result.pvalue < 0.05)
+    return ci[0] > 1 or ci[1] < 1
 
 
-def ci_overlap(a: dict, b: dict) -> bool | None:
-    if not a.get("ci95") or not b.get("ci95"):
+def contrast_rows(runs: list[tuple[str, object]], analyses: list[dict]) -> list[dict]:
+    """Every contrast of the first run that another run also has: each run's ratio with its
+    interval, and the other's ÷ the first's."""
+    def keyed(a: dict) -> dict:
+        return {(c["numerator"], c["denominator"], c["metric"]): c
+                for c in a.get("contrasts") or []}
+
+    base = keyed(analyses[0])
+    others = [keyed(a) for a in analyses[1:]]
+    rows = []
+    for key, c in base.items():
+        row = {"name": c["name"], "metric": c["metric"], runs[0][0]: _as_summary(c),
+               "others": []}
+        for (name, _), theirs in zip(runs[1:], others, strict=True):
+            o = theirs.get(key)
+            ratio = unpaired(_as_summary(o), _as_summary(c)) if o else None
+            row["others"].append({"run": name, "summary": _as_summary(o), "ratio": ratio,
+                                  "exceeds_noise": bool(beyond_noise(ratio))})
+        rows.append(row)
+    return rows
+
+
+def _as_summary(c: dict | None) -> dict | None:
+    """A contrast of the JSON shape as a summary (median, interval)."""
+    if not c:
         return None
-    return a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
+    return {"n": c.get("n", 1), "median": c["ratio"], "median_ci95": c.get("ci95")}
 
 
 _CTX = re.compile(r"\|ctx(\d+)(?=\|)")
@@ -41,8 +65,9 @@ def other_context(m_id: str, rec) -> str | None:
     return None
 
 
-def compare_runs(runs: list[tuple[str, object]]) -> dict:
-    """runs: (name, Records). Rows per measurement id and metric present in the first run."""
+def compare_runs(runs: list[tuple[str, object]], analyses: list[dict] | None = None) -> dict:
+    """runs: (name, Records). Rows per measurement id and metric present in the first run,
+    and per contrast of the first run (analyses: each run's, when given)."""
     base_name, base = runs[0]
     rows = []
     for m in base.measurements:
@@ -58,17 +83,17 @@ def compare_runs(runs: list[tuple[str, object]]) -> dict:
                     row["others"].append({"run": name, "summary": None,
                                           "other_context": other_context(m["id"], rec)})
                     continue
-                significant = welch_significant(a, b)
-                overlap = ci_overlap(a, b)
-                row["others"].append({"run": name, "summary": b, "ratio": b["mean"] / a["mean"],
-                                      "exceeds_noise": bool(significant) or overlap is False})
+                ratio = unpaired(b, a)
+                row["others"].append({"run": name, "summary": b, "ratio": ratio,
+                                      "exceeds_noise": bool(beyond_noise(ratio))})
             rows.append(row)
     env_diff = {}
     for key in ENV_KEYS + ("llama",):
         values = [str((rec.header or {}).get("env", {}).get(key)) for _, rec in runs]
         if len(set(values)) > 1:
             env_diff[key] = values
-    return {"runs": [n for n, _ in runs], "rows": rows, "env_differences": env_diff}
+    return {"runs": [n for n, _ in runs], "rows": rows, "env_differences": env_diff,
+            "contrasts": contrast_rows(runs, analyses) if analyses else []}
 
 
 def render_compare_markdown(c: dict) -> str:
@@ -86,14 +111,16 @@ def render_compare_markdown(c: dict) -> str:
             elif o["summary"] is None:
                 cells += ["missing", "–"]
             else:
-                mark = " **(exceeds noise)**" if o["exceeds_noise"] else " (within noise)"
-                cells += [_stat(o["summary"]), f"{o['ratio']:.2f}×{mark}"]
+                cells += [_stat(o["summary"]), _ratio(o)]
         lines.append("| " + " | ".join(cells) + " |")
     out = ["# Run comparison", "", *lines, "",
-           "A difference exceeds the noise when the 95% confidence intervals do not overlap or "
-           "Welch's t-test rejects equal means at 95%. Cells are compared only at the same "
+           "Figures are medians with the 95% interval of their long-run median (drift "
+           "included). Two runs share no round, so a ratio between runs is unpaired: its "
+           "interval combines the two intervals on the log scale, and a difference exceeds "
+           "the noise when that interval excludes 1. Cells are compared only at the same "
            "context size (n_ctx, part of every measurement's id): the context alone changes "
            "prefill speed.", ""]
+    out += _contrast_lines(c)
     if c["env_differences"]:
         out += ["## The runs come from different environments", ""]
         out += [f"- {k}: " + " vs ".join(v) for k, v in c["env_differences"].items()]
@@ -102,7 +129,42 @@ def render_compare_markdown(c: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _stat(s: dict) -> str:
-    ci = s.get("ci95")
-    return f"{s['mean']:.2f} ± {(ci[1] - ci[0]) / 2:.2f} (n={s['n']})" if ci else \
-        f"{s['mean']:.2f} (n={s['n']})"
+def _contrast_lines(c: dict) -> list[str]:
+    """The contrasts both runs drew, side by side: what a lesson compares, drift cancelled
+    within each run."""
+    if not c.get("contrasts"):
+        return []
+    base = c["runs"][0]
+    head = ["contrast", base]
+    for name in c["runs"][1:]:
+        head += [name, f"ratio {name} / {base}"]
+    lines = ["## Contrasts", "", "| " + " | ".join(head) + " |",
+             "|---|" + "---:|" * (len(head) - 1)]
+    for r in c["contrasts"]:
+        cells = [r["name"].replace("|", " "), _stat(r[base], 3)]
+        for o in r["others"]:
+            cells += (["missing", "–"] if o["summary"] is None else
+                      [_stat(o["summary"], 3), _ratio(o)])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + ["", "Each contrast is a ratio of two cells of one run, round by round "
+                    "(harness.core.stats); between runs the contrasts are compared unpaired.",
+                    ""]
+
+
+def _ratio(o: dict) -> str:
+    r = o["ratio"]
+    if not r:
+        return "–"
+    ci = r.get("median_ci95")
+    mark = (" **(exceeds noise)**" if o["exceeds_noise"] else
+            " (within noise)" if ci else " (no interval)")
+    return f"{r['ratio']:.3f}×" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "") + mark
+
+
+def _stat(s: dict, digits: int = 2) -> str:
+    ci = s.get("median_ci95")
+    mid = center(s)
+    if not ci:
+        return f"{mid:.{digits}f} (n={s['n']})"
+    half = max(math.log(ci[1] / mid), math.log(mid / ci[0]))
+    return f"{mid:.{digits}f} (±{half:.1%}, n={s['n']})"

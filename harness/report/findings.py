@@ -3,6 +3,8 @@ each left out when the run lacks its data. Pure."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..core.stats import center
 
 GB = 1e9
@@ -32,13 +34,35 @@ def findings(data: dict) -> list[str]:
     out += _size_finding(a) + _experts_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
     out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
     out += _prefix_finding(a)
+    out += drift_finding(a)
     claims = data.get("claims") or []
     if claims:
-        held = sum(c["verdict"] == "holds" for c in claims)
-        tested = sum(c["verdict"] != "not measured" for c in claims)
-        out.append(f"Of the course's {len(claims)} claims checked here, {held} of the "
-                   f"{tested} this run could test hold on this machine (table below).")
+        n = Counter(c["verdict"] for c in claims)
+        tested = len(claims) - n["not measured"]
+        rest = [f"{n[v]} {v}" for v in ("does not hold", "undecided") if n[v]]
+        out.append(f"Of the course's {len(claims)} claims checked here, {n['holds']} of the "
+                   f"{tested} this run could test hold on this machine"
+                   + (f" ({', '.join(rest)} at this precision)" if rest else "")
+                   + ", each decided on its interval (table below).")
     return out
+
+
+def times(value: float, ratio: dict | None) -> str:
+    """2.37× [2.34–2.40]: a ratio with its 95% interval when it has one."""
+    ci = (ratio or {}).get("median_ci95")
+    return f"{value:.2f}×" + (f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci else "")
+
+
+def drift_finding(a: dict) -> list[str]:
+    """The machine's drift, stated once: the spread of the round effects."""
+    d = a.get("machine_drift")
+    if not d:
+        return []
+    return [f"Across the run's {d['n_rounds']} rounds this machine ran between "
+            f"{d['low']:.2f}× and {d['high']:.2f}× of its median speed (the round effects, "
+            "the median over the cells of each round): absolute figures describe those "
+            "minutes, and every ratio between cells is taken round by round, so the drift "
+            "cancels in it."]
 
 
 def rows_of(rows: list[dict], key: tuple) -> list[dict]:
@@ -147,7 +171,9 @@ def _quant_finding(a: dict) -> list[str]:
     r = min(q, key=lambda r: r["bytes_per_token"])
     return [f"{r['dtype'].upper()} weights ({r['bits_per_weight']:.1f} bits per weight, "
             f"{r['byte_reduction']:.1f}× fewer bytes than {r['baseline'].upper()}) decoded "
-            f"{r['decode_speedup']:.2f}× and prefilled {r['prefill_speedup']:.2f}× as fast."]
+            f"{times(r['decode_speedup'], r.get('decode_speedup_ci'))} and prefilled "
+            f"{times(r['prefill_speedup'], r.get('prefill_speedup_ci'))} as fast"
+            + (" (95% intervals, round by round)." if r.get("decode_speedup_ci") else ".")]
 
 
 def _batch_finding(a: dict) -> list[str]:
@@ -160,9 +186,12 @@ def _batch_finding(a: dict) -> list[str]:
         r = max((r for r in rows if (r.get("model", ""), r.get("dtype", "")) == key),
                 key=lambda r: r["parallel"])
         who = f" of {r['model']}" if len(models) > 1 else ""
-        out.append(f"{r['parallel']} sequences{who} decoded together gave {r['speedup']:.2f}× "
-                   f"the aggregate tok/s of one; each sequence still got "
-                   f"{center(r['per_sequence_tok_s']):.1f} tok/s.")
+        each = r.get("per_user_ci")
+        out.append(f"{r['parallel']} sequences{who} decoded together gave "
+                   f"{times(r['speedup'], r.get('speedup_ci'))} the aggregate tok/s of one; "
+                   f"each sequence still got {center(r['per_sequence_tok_s']):.1f} tok/s"
+                   + (f", {times(center(each), each)} the speed of one alone." if each
+                      else "."))
     return out
 
 
@@ -173,7 +202,8 @@ def _kv_finding(a: dict) -> list[str]:
         return []
     r = max(rows, key=lambda r: r["depth"])
     return [f"With {r['depth']:,} tokens already cached, decode of {r['model']} ran "
-            f"{center(r['measured_slowdown']):.2f}× slower than from an empty cache timed "
+            f"{times(center(r['measured_slowdown']), r['measured_slowdown'])} slower than from "
+            "an empty cache timed "
             f"beside it, where the extra bytes alone predict {r['predicted_slowdown']:.2f}×."]
 
 
@@ -184,8 +214,10 @@ def _threads_finding(a: dict) -> list[str]:
         if len({r["threads"] for r in rows}) < 2:
             continue
         lo, hi = min(rows, key=lambda r: r["threads"]), max(rows, key=lambda r: r["threads"])
-        out.append(f"{phase.capitalize()} of {hi['model']} ran {hi['speedup'] / lo['speedup']:.2f}"
-                   f"× faster on {hi['threads']} threads than on {lo['threads']}.")
+        ratio = hi.get("speedup_ci") if lo["threads"] == hi.get("base_threads") else None
+        out.append(f"{phase.capitalize()} of {hi['model']} ran "
+                   f"{times(hi['speedup'] / lo['speedup'], ratio)} faster on {hi['threads']} "
+                   f"threads than on {lo['threads']}.")
     return out
 
 

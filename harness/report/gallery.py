@@ -101,18 +101,24 @@ def decode_table(data: dict) -> Table:
                          if r["stream_ceiling"]["value"] else None)
             rows.append({"machine": label, "model": model, "dtype": dtype, "threads": threads,
                          "tok_s": r["tok_s"], "gb_s": r["effective_gb_s"],
-                         "share": r["share_of_stream"], "predicted": predicted,
+                         "share": r.get("share_of_stream_ci") or (
+                             {"n": 1, "median": r["share_of_stream"]}
+                             if r["share_of_stream"] is not None else None),
+                         "predicted": predicted,
                          "common": "yes" if (model, dtype) in set(data["common"]) else "",
                          "run": r["run"]})
     return Table("gallery_decode", "Decode on every machine", [
         Column("machine", "machine"), Column("model", "model"), Column("dtype", "dtype"),
         Column("threads", "threads", "int"), Column("decode tok/s", "tok_s", "stat"),
         Column("effective GB/s", "gb_s", "f1"), Column("share of streaming ceiling", "share",
-                                                        "pct"),
+                                                        "pctci"),
         Column("ceiling ÷ bytes (tok/s)", "predicted", "f1"),
         Column("on every machine", "common"), Column("run", "run")], rows,
         ["ceiling ÷ bytes: the tok/s the machine's own streaming ceiling (llama.cpp's kernel, "
-         "measured in the run) predicts for the bytes one decode step reads."])
+         "measured in the run) predicts for the bytes one decode step reads. tok/s carries the "
+         "95% interval of its machine's long-run median, the share its round-by-round "
+         "interval (harness.core.stats); machines share no round, so between machines "
+         "only such intervals compare."])
 
 
 def render_gallery(data: dict, plot: str | None) -> str:

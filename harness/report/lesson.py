@@ -17,8 +17,10 @@ from .page import (
     env_lines,
     estimates_table,
     method_text,
+    read_share_notes,
     repetitions_table,
     round_fit_lines,
+    share_summary,
 )
 
 PLOT_CAPTIONS = {
@@ -37,7 +39,8 @@ def lesson_data(records, analysis: dict, reference: dict | None) -> dict:
             "created": header.get("created"), "analysis": analysis, "main": main,
             "reference": reference,
             "claims": check_claims(reference, analysis, env) if reference else [],
-            "measurements": records.measurements, "failures": records.failures}
+            "measurements": records.measurements, "failures": records.failures,
+            "records": records}
 
 
 # --- tables --------------------------------------------------------------------------------
@@ -79,7 +82,8 @@ def size_table(data: dict) -> Table | None:
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
              "params": (_model_params(data, r)), "gib": r["file_bytes_per_token"],
              "gb": r["bytes_per_token"], "tok_s": r["tok_s"], "ms": inverse(r["tok_s"]),
-             "gb_s": r["effective_gb_s"], "stream": r["share_of_stream"],
+             "gb_s": r["effective_gb_s"],
+             "stream": share_summary(r["share_of_stream"], r.get("share_of_stream_ci")),
              "read": r["share_of_read"], "flags": ", ".join(r["flags"])}
             for r in a["decode"] if r["id"] in ids]
     if len({r["gb"] for r in rows}) < 2:
@@ -87,9 +91,11 @@ def size_table(data: dict) -> Table | None:
     rows.sort(key=lambda r: (r["threads"], r["gb"]))
     notes = ["size: every tensor's bytes in GiB (2³⁰) and GB (10⁹); read per token: what one "
              "decode step reads, in GB (every weight, the embedding as one row unless tied, "
-             "and the KV cache). effective GB/s = tok/s × GB read per token. Shares: of the "
-             "streaming ceiling (llama.cpp's own matrix-vector kernel on this machine) and of "
-             "numpy's plain memory read, both measured beside the decode."]
+             "and the KV cache). effective GB/s = tok/s × GB read per token. The yardstick is "
+             "the streaming ceiling (llama.cpp's own matrix-vector kernel on this machine, "
+             "probed before every round), the share taken round by round with its 95% "
+             "interval; numpy's plain memory read beside it is a diagnostic, not a ceiling."]
+    notes += read_share_notes([r for r in a["decode"] if r["id"] in ids])
     notes += [f"- {threads_label(f['threads'])}: tok/s ≈ {f['fit']['gb_s']:.1f} GB/s ÷ GB read per "
               f"token ({f['fit']['n_points']} "
               f"{f['dtype'].upper() + ' ' if f.get('dtype') else ''}models, R² = "
@@ -105,8 +111,9 @@ def size_table(data: dict) -> Table | None:
         Column("size (GiB)", "gib", "gib"), Column("read per token (GB)", "gb", "gb"),
         Column("tok/s", "tok_s", "stat"), Column("ms/token", "ms", "stat1"),
         Column("effective GB/s", "gb_s", "f1"), Column("share of streaming ceiling",
-                                                        "stream", "pct"),
-        Column("share of numpy read", "read", "pct"), Column("flags", "flags")], rows, notes)
+                                                        "stream", "pctci"),
+        Column("share of numpy read (diagnostic)", "read", "pct"), Column("flags", "flags")],
+        rows, notes)
 
 
 def _model_params(data: dict, row: dict) -> int | None:
@@ -208,7 +215,7 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
         head, _, rest = markdown_table(est[0]).partition("\n")
         out += ["## Your machine against others (estimates: decode tok/s of every model)", rest,
                 ""]
-    out += ["## Method", "", method_text(data["measurements"]), "", "## Environment", "",
+    out += ["## Method", "", method_text(data["records"]), "", "## Environment", "",
             *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]
     out += ["## Appendix: diagnostics", ""]

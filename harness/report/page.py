@@ -7,6 +7,7 @@ import io
 import json
 from collections import Counter
 
+from ..core.reference import check_claims, reference_from_header
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
 from ..render.tabular import (
@@ -32,7 +33,8 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
              "n_prompt": r["n_prompt"], "seconds": r["seconds"], "tok_s": r["tok_s"],
              "gflop_s": r["gflop_s"], "peak": r["compute_peak"]["value"],
-             "share": r["share_of_peak"], "n": r["tok_s"]["n"],
+             "share": share_summary(r["share_of_peak"], r.get("share_of_peak_ci")),
+             "n": r["tok_s"]["n"],
              "notes": notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
             for r in analysis["prefill"] if r["n_gen"] == 0]
     notes = ["Prefill time runs from the first prompt token to the logits of the last; tok/s "
@@ -49,7 +51,7 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
         Column("prompt tokens", "n_prompt", "int"), Column("prefill time (s)", "seconds", "f3"),
         Column("tok/s", "tok_s", "stat"), Column("GFLOP/s", "gflop_s", "f1"),
         Column("compute peak GFLOP/s", "peak", "f1"),
-        Column("share of peak", "share", "pct"), Column("n", "n", "int"),
+        Column("share of peak", "share", "pctci"), Column("n", "n", "int"),
         Column("notes", "notes")], rows, notes)
 
 
@@ -60,7 +62,8 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
                      "size": r["file_bytes_per_token"], "bytes": r["bytes_per_token"],
                      "test": f"{r['n_gen']} after {r['n_prompt']}", "tok_s": r["tok_s"],
                      "ms": inverse(r["tok_s"]), "gb_s": r["effective_gb_s"],
-                     "stream": r["stream_ceiling"]["value"], "share": r["share_of_stream"],
+                     "stream": r["stream_ceiling"]["value"],
+                     "share": share_summary(r["share_of_stream"], r.get("share_of_stream_ci")),
                      "read": r["read_ceiling"]["value"], "share_read": r["share_of_read"],
                      "n": r["tok_s"]["n"],
                      "notes": notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
@@ -77,8 +80,11 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
              "Streaming ceiling: ggml's own matrix-vector kernel over a matrix far larger than "
              "the cache, for each of the model's tensor types, combined by their bytes (total "
              "bytes ÷ Σ bytes of a type ÷ that type's GB/s), probed right beside the "
-             "measurement. numpy read: the plain memory read of the machine (STREAM "
-             "conventions), shown for comparison."]
+             "measurement; the share is taken round by round (each repetition ÷ the ceiling "
+             "probed before its round), with its 95% interval. numpy read: the plain memory "
+             "read of the machine (STREAM conventions), a diagnostic beside the yardstick, not "
+             "a ceiling."]
+    notes += read_share_notes(analysis["decode"])
     notes += _missing_ceiling_notes(analysis["decode"])
     notes += ceiling_share_notes([(r["share_of_stream"], r["stream_ceiling"].get("spread"),
                                    "above-ceiling" in r["flags"]) for r in analysis["decode"]])
@@ -87,9 +93,29 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
         Column("size (GiB)", "size", "gib"), Column("read per token (GB)", "bytes", "gb"),
         Column("tokens", "test"), Column("tok/s", "tok_s", "stat"),
         Column("ms/token", "ms", "stat1"), Column("effective GB/s", "gb_s", "f1"),
-        Column("streaming ceiling GB/s", "stream", "f1"), Column("share", "share", "pct"),
-        Column("numpy read GB/s", "read", "f1"), Column("share of read", "share_read", "pct"),
+        Column("streaming ceiling GB/s", "stream", "f1"), Column("share", "share", "pctci"),
+        Column("numpy read GB/s (diagnostic)", "read", "f1"),
+        Column("share of read (diagnostic)", "share_read", "pct"),
         Column("n", "n", "int"), Column("notes", "notes")], rows, notes)
+
+
+def share_summary(share: float | None, by_round: dict | None) -> dict | None:
+    """A share as a summary the pctci cells print: its round-by-round interval if it has one."""
+    if by_round:
+        return by_round
+    return {"n": 1, "median": share} if share is not None else None
+
+
+def read_share_notes(rows: list[dict]) -> list[str]:
+    """Why decode can exceed numpy's read: it is no ceiling (said where such a share shows)."""
+    above = sorted({f"{r['model']} {r['dtype']} ({r['share_of_read']:.0%})" for r in rows
+                    if (r.get("share_of_read") or 0) > 1})
+    if not above:
+        return []
+    return [f"Decode above numpy's read bandwidth ({', '.join(above)}): numpy's read is a "
+            "max() over each thread's share of one array, a reduction that is not ggml's "
+            "kernel and need not reach the memory's limit, so exceeding it breaks no ceiling; "
+            "the yardstick is the streaming ceiling, and numpy's figure only a diagnostic."]
 
 
 def _missing_ceiling_notes(rows: list[dict]) -> list[str]:
@@ -115,14 +141,15 @@ def ceilings_table(analysis: dict) -> Table:
                      "before": c["before"], "after": c["after"], "drift": c["drift"],
                      "beside": (f"{c['beside_min']:.1f}–{c['beside_max']:.1f} "
                                 f"({c['n_beside']})" if c.get("n_beside") else "")})
-    notes = ["Memory: STREAM conventions (arrays ≥ 4× the last-level cache, a warm pass, best "
-             "of several; copy counts bytes read + written). ggml: llama.cpp's own kernels on a "
+    notes = ["Memory: STREAM conventions (arrays ≥ 4× the last-level cache, a warm pass, then "
+             "several timed; copy counts bytes read + written); every figure is the median of "
+             "its passes. ggml: llama.cpp's own kernels on a "
              "matrix of each weight type, with its weights where llama.cpp puts them at load "
              "(CPU_REPACK: the repacked layout llama.cpp uses for some quantized types on this "
              "CPU; CPU: the plain layout). Streaming = one matrix-vector product over a matrix "
              "far larger than the cache (GB/s of weight bytes); compute = the same kind of "
              "matrix times a 512-column activation. Beside: the range of the short probes "
-             "taken right before each measurement (how many in brackets)."]
+             "taken before each round (how many in brackets)."]
     notes += [f"Probe failed: {e}; that ceiling is missing." for e in analysis["probe_errors"]]
     notes += stability_lines(analysis.get("stability") or {})
     return Table("ceilings", "Measured ceilings of this machine", [
@@ -162,14 +189,22 @@ def repetitions_table(measurements: list[dict]) -> Table:
              "target": (m.get("policy") or {}).get("target_ci")
              if (m.get("policy") or {}).get("repetitions") is None else None,
              "reached": m.get("ci_reached")} for m in measurements if m.get("stopped_by")]
+    on = {m.get("target", "absolute") for m in measurements if m.get("stopped_by")}
+    judged = ("the widest 95% interval of its contrasts with the cells it differs from in one "
+              "setting (its own figure's where it has none), relative" if "contrasts" in on
+              else "the half-width of the 95% interval of its median, relative to it")
     notes = ["Every round runs one repetition of every cell still going, in a shuffled order, "
-             "so slow and fast spells of the machine hit every cell alike. CI reached: half-"
-             "width of the 95% confidence interval of the median, relative to it (– under 6 "
-             "repetitions, too few for 95%)."]
+             "so slow and fast spells of the machine hit every cell alike. A cell leaves the "
+             f"rounds once its interval is within target; CI reached: {judged} (– under 3 "
+             "rounds)."]
     budget = [r for r in rows if r["stopped"] == "time budget"]
+    auto = [r for r in rows if r["target"] is not None]
     if budget:
-        notes.append(f"{len(budget)} of {len(rows)} cells stopped at the time budget before "
-                     "reaching their target.")
+        notes.append(f"The run ended at its time budget: {len(budget)} of {len(rows)} cells "
+                     "stopped there before reaching their target.")
+    elif auto:
+        notes.append(f"The run ended when all {len(auto)} auto cells had reached their target, "
+                     "before its time budget.")
     return Table("repetitions", "Repetitions: how each measurement ended", [
         Column("cell", "cell"), Column("repetitions", "n", "int"),
         Column("stopped by", "stopped"), Column("target ±", "target", "pct1"),
@@ -228,8 +263,9 @@ def estimates_table(analysis: dict) -> list[Table]:
         notes.append(f"{', '.join(moe)}: mixtures of experts, estimated from their active bytes "
                      "(k of E experts per token); the whole file must still fit in memory.")
     if p.get("share_of_read") is not None:
-        notes.append(f"This run's decode reached a median {p['share_of_read']:.0%} of the "
-                     "numpy read bandwidth measured beside it.")
+        notes.append(f"Diagnostic: this run's decode reached a median {p['share_of_read']:.0%} "
+                     "of the numpy read bandwidth measured beside it (numpy's read is no "
+                     "ceiling; the yardstick is ggml's streaming ceiling).")
     return [Table("estimates", "Estimates: decode tok/s of every model, here and elsewhere",
                   [Column("hardware", "hardware"), Column("weights", "dtype"),
                    Column("GB/s", "bw")] + [Column(m, m) for m in models],
@@ -249,6 +285,8 @@ def report_data(records, analysis: dict) -> dict:
     tables += [workloads_table(analysis)] + estimates_table(analysis)
     tables += [repetitions_table(records.measurements)]
     tables += lever_tables(analysis)
+    reference = reference_from_header(header)
+    claims = check_claims(reference, analysis, header.get("env", {})) if reference else []
     found = findings({"analysis": analysis, "main": main_model(analysis), "claims": []})
     return {"findings": found, "scenario": header.get("scenario", {}),
             "env": header.get("env", {}),
@@ -256,7 +294,9 @@ def report_data(records, analysis: dict) -> dict:
             "tables": [t for t in tables if t.rows], "fits": analysis["fits"],
             "missing": missing(records), "failures": records.failures,
             "n_measurements": len(records.measurements),
-            "method": method_text(records.measurements)}
+            "method": method_text(records),
+            "contrasts": analysis.get("contrasts", []), "claims": claims,
+            "machine_drift": analysis.get("machine_drift")}
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -297,18 +337,92 @@ METHOD = (
     "architectures (meaningless text, the same matrix work and memory reads), run in-process "
     "through llama.cpp's C API on the CPU. Prompts are random token ids, with no tokenizer and "
     "no sampling. Prefill is timed from the first prompt token to the last token's logits; "
-    "decode times every single-token step, each synchronized. The KV cache is cleared before "
-    "every repetition; warm-up repetitions do the full work and are kept out of the statistics. "
-    "Numbers are medians over the repetitions (n), with a 95% confidence interval of the "
-    "median in brackets: the distribution-free order-statistic interval (under 6 repetitions "
-    "the min–max range, which covers the median with 1 − 2¹⁻ⁿ probability), widened where "
-    "the medians of the run's first, middle and last third disagree (batch medians, "
-    "t(0.975, 2)·sd/√3), because this machine's slow and fast spells outlast a round and an "
-    "interval that assumed independent repetitions came out too narrow to cover a second run; "
-    "means stay in the results file. The ceilings are measured by the run itself: every "
-    "figure before and after the measurements, and right before each measurement the ones "
-    "it needs (its thread count, its model's tensor types), with llama.cpp's own ggml "
-    "kernels.")
+    "decode times every single-token step, each synchronized.")
+STATISTICS = (
+    "Every round is a block: the log rate of a cell in a round is the cell's effect plus the "
+    "round's (the machine's state then, shared by every cell) plus a residual. A comparison "
+    "of two cells (a ratio) is the geometric mean of their per-round ratios over the rounds "
+    "both ran, so drift between rounds cancels, with a 95% Student-t interval of the mean log "
+    "ratio. A figure (tok/s, ms, GB/s) is the median of its repetitions with a 95% interval "
+    "of the machine's long-run median, drift included: t · √(π/2) · sd / √n_eff of the log "
+    "values, n_eff the rounds counted as independent after their lag-1 autocorrelation. Both "
+    "are computed on the log scale, so tok/s and ms per token are exact inverses. "
+    "scripts/sim_intervals.py measures their coverage (docs/statistics.md).")
+
+NO_ROUNDS = (
+    "This run recorded no rounds (a harness before interleaving): each figure is the median of "
+    "its repetitions with the interval of its long-run median (t · √(π/2) · sd / √n_eff of "
+    "the log values), and every ratio between cells is a ratio of two medians, unpaired, its "
+    "interval combining theirs, so the machine's drift between them is in it.")
+
+
+def method_text(records) -> str:
+    """The Method paragraph, computed from what the run did."""
+    ms = records.measurements
+    parts = [METHOD, _cache_sentence(ms), _rounds_sentence(records),
+             STATISTICS if records.rounds else NO_ROUNDS, _probe_sentence(records.probes),
+             context_sentence(ms)]
+    return " ".join(t for t in parts if t)
+
+
+def _cache_sentence(ms: list[dict]) -> str:
+    warmups = sorted({m.get("warmup", 0) for m in ms})
+    depth = sum(1 for m in ms if m.get("depth"))
+    prefix = sum(1 for m in ms if m.get("shared_prefix"))
+    text = ("The KV cache is cleared before every repetition"
+            + (f" ({depth} cell{'s' if depth != 1 else ''} then fill it to their depth, "
+               "untimed" if depth else "")
+            + ("; " if depth and prefix else " (" if prefix and not depth else "")
+            + (f"{prefix} prefix cell{'s' if prefix != 1 else ''} keep their cached prefix"
+               if prefix else "") + (")" if depth or prefix else "") + "; ")
+    one = warmups == [1]
+    text += (f"{'–'.join(map(str, warmups))} warm-up repetition{'' if one else 's'} per cell "
+             f"{'does' if one else 'do'} the full work and {'is' if one else 'are'} kept out "
+             "of the statistics." if warmups else "")
+    return text
+
+
+def _rounds_sentence(records) -> str:
+    rounds = records.rounds
+    if not rounds:
+        return ""
+    sizes = [len(r.get("order") or []) for r in rounds]
+    reasons = Counter(m.get("stopped_by") for m in records.measurements if m.get("stopped_by"))
+    words = {"target": "reached {} target", "budget": "stopped at the time budget",
+             "max": "stopped at max_repetitions", "fixed": "ran {} fixed count"}
+    ended = ", ".join(f"{n} " + words.get(k, k).format("its" if n == 1 else "their")
+                      for k, n in sorted(reasons.items()))
+    size = f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}–{max(sizes)}"
+    return (f"The run had {len(rounds)} round{'s' if len(rounds) != 1 else ''} of {size} "
+            f"cells, each in an order shuffled per round; of its cells, {ended}.")
+
+
+def _probe_sentence(probes: list[dict]) -> str:
+    full = [p for p in probes if p.get("when") in ("before", "after") and p.get("result")]
+    beside = [p for p in probes if p.get("when") == "beside" and p.get("result")]
+    if not full and not beside:
+        return "No ceilings were measured (the probes failed or did not run)."
+    passes = sorted({len(x) for p in beside for x in _pass_counts(p)})
+    text = (f"The ceilings are measured by the run itself with llama.cpp's own ggml kernels: "
+            f"{len(full)} full probe{'s' if len(full) != 1 else ''} "
+            f"({', '.join(p['when'] for p in full)} the measurements)")
+    if beside:
+        text += (f", and {len(beside)} beside the cells, one before each round, of the thread "
+                 "counts and tensor types that round needs"
+                 + (f" ({passes[0]}–{passes[-1]} passes each)" if passes else ""))
+    return text + (". A ceiling is the median of its probes' passes, the statistic a "
+                   "repetition is compared with" + (
+                       ", and a share is taken round by round: a repetition ÷ the ceiling "
+                       "probed before its round." if beside else
+                       "; each share is a median ÷ the ceilings nearest it."))
+
+
+def _pass_counts(probe: dict) -> list[list]:
+    out = []
+    for entry in ((probe.get("result") or {}).get("threads") or {}).values():
+        for by_type in (entry.get("ggml") or {}).values():
+            out += [v for k, v in by_type.items() if "samples" in k and isinstance(v, list)]
+    return out
 
 
 def context_sentence(measurements: list[dict]) -> str:
@@ -329,10 +443,6 @@ def context_sentence(measurements: list[dict]) -> str:
                    "the prefill's ubatch to that size, which alone can slow prefill (see "
                    "docs/scenarios.md, Contexts).")
     return " ".join(out)
-
-
-def method_text(measurements: list[dict]) -> str:
-    return " ".join(t for t in (METHOD, context_sentence(measurements)) if t)
 
 
 def render_markdown(data: dict, plots: list[str] | None = None) -> str:

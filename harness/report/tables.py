@@ -127,20 +127,24 @@ def _with_ci(summary: dict | None, digits: int = 2) -> str:
     return f"{center(summary):.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
 
 
-def repetitions_label(policy) -> str:
-    """5 repetitions, or auto: until the median's 95% CI is within ±3% (6–200)."""
+def repetitions_label(policy, target: str = "contrasts") -> str:
+    """5 repetitions, or auto: until its contrasts' 95% intervals are within ±3% (6–200)."""
     if not policy.auto:
         return f"{policy.repetitions} repetitions"
-    return (f"auto repetitions: until the median's 95% CI is within ±{policy.target_ci:.0%} "
+    what = ("its contrasts' 95% intervals are" if target == "contrasts" else
+            "the 95% interval of its median is")
+    return (f"auto repetitions: until {what} within ±{policy.target_ci:.0%} "
             f"({policy.min_repetitions}–{policy.max_repetitions})")
 
 
 def round_line(progress: dict) -> str:
-    """One line per round: how many cells go on, and the widest CI left."""
+    """One line per round: how many cells go on, and the widest interval left."""
     widest = progress["widest_ci"]
+    what = "contrast" if progress.get("target", "contrasts") == "contrasts" else "CI"
     ci = ("" if not progress["active"] or progress["widest_id"] is None else
-          f"; widest CI left ±{widest:.1%} ({progress['widest_id']})" if widest != float("inf")
-          else f"; {progress['widest_id']} has too few repetitions for a 95% CI yet")
+          f"; widest {what} left ±{widest:.1%} ({progress['widest_id']})"
+          if widest != float("inf")
+          else f"; {progress['widest_id']} has too few rounds for a 95% interval yet")
     return (f"round {progress['round'] + 1}: {progress['finished']} cell(s) finished, "
             f"{progress['active']} go on{ci} [{progress['elapsed_s']:.0f} s]")
 
