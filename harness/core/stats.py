@@ -63,10 +63,12 @@ def effective_n(logs: list[float]) -> float:
 
 
 def _half_width(logs: list[float], se_factor: float) -> float | None:
-    """t(0.975, n_eff - 1) · se_factor · sd / √n_eff on the log scale; None under 3 rounds."""
+    """t(0.975, n_eff - 1) · se_factor · sd / √n_eff on the log scale, n_eff at least 3 (six
+    rounds that happen to trend would otherwise count as one and give t(0.975, 1) = 12.7);
+    None under 3 rounds."""
     if len(logs) < MIN_ROUNDS:
         return None
-    n_eff = max(effective_n(logs), 2.0)
+    n_eff = max(effective_n(logs), MIN_ROUNDS)
     return t_critical_95(n_eff - 1) * se_factor * statistics.stdev(logs) / math.sqrt(n_eff)
 
 
