@@ -208,10 +208,11 @@ class _Rounds:
         self.models, self.pages, self.cells, self.infos = {}, {}, {}, {}
         self.failed: set[str] = set()
         self.by_id = {m.id: m for m in todo}
-        self.partners: dict[str, list[str]] = {}
-        for a, b in contrast_pairs({m.id: m.pairing_key for m in todo}):
-            self.partners.setdefault(a, []).append(b)
-            self.partners.setdefault(b, []).append(a)
+        self.partners: dict[str, list[tuple[str, str]]] = {}
+        for a, b, phase in contrast_pairs({m.id: m.pairing_key for m in todo},
+                                          {m.id: m.phases for m in todo}):
+            self.partners.setdefault(a, []).append((b, phase))
+            self.partners.setdefault(b, []).append((a, phase))
         self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]
                      for m in todo}
         self.spent_s = max((r.get("elapsed_s", 0.0) for r in writer.records.repetitions),
@@ -316,7 +317,9 @@ class _Rounds:
         widths = {m.id: self._widest(m) for m in live}
         still, widest = [], (0.0, None)
         for m in live:
-            reason = stop_reason(len(self.reps[m.id]), widths[m.id], m.settings.policy, over)
+            alone = self.scenario.target == "contrasts" and not self._partners(m)
+            reason = stop_reason(len(self.reps[m.id]), widths[m.id], m.settings.policy, over,
+                                 alone)
             if reason:
                 self._write_measurement(m, reason, widths[m.id])
                 continue
@@ -331,16 +334,18 @@ class _Rounds:
                             "target": self.scenario.target})
         return still
 
-    def _widest(self, m: Measurement) -> float | None:
-        """The widest interval m is judged on: its contrasts with the auto cells of its group
-        it differs from in one setting (a finished partner's rounds are complete)."""
-        partners = [(o, _pair_phase(m, self.by_id[o])) for o in self.partners.get(m.id, [])
-                    if o not in self.failed and self.by_id[o].settings.policy.auto]
+    def _partners(self, m: Measurement) -> list[tuple[str, str]]:
+        """The (cell, phase) contrasts m is judged on: with the auto cells of its group that
+        differ from it in one setting (a finished partner's rounds are complete)."""
+        return [(o, ph) for o, ph in self.partners.get(m.id, [])
+                if o not in self.failed and self.by_id[o].settings.policy.auto]
 
+    def _widest(self, m: Measurement) -> float | None:
+        """The widest interval m is judged on (harness.core.rounds.widest_ci)."""
         def series(cell: str, phase: str | None) -> dict:
             return round_series(self.by_id[cell], self.reps[cell], phase)
 
-        return widest_ci(m.id, [p for p in partners if p[1]], series, self.scenario.target)
+        return widest_ci(m.id, self._partners(m), series, self.scenario.target)
 
     def _write_measurement(self, m: Measurement, reason: str, ci: float | None) -> None:
         from .engine.measure import make_record
@@ -355,7 +360,7 @@ class _Rounds:
         run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
                "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
                "ci_reached": ci, "target": self.scenario.target,
-               "partners": self.partners.get(m.id, [])}
+               "partners": [list(p) for p in self.partners.get(m.id, [])]}
         setup = cell.setup if cell else {}
         warmups = cell.warmups if cell else []
         started = cell.started if cell else self.reps[m.id][0]["at"]
@@ -364,16 +369,6 @@ class _Rounds:
         self.console.advance(self.writer.records.measurements[-1])
         if cell:
             cell.close()
-
-
-def _pair_phase(a: Measurement, b: Measurement) -> str | None:
-    """The phase two cells are compared on: decode when both decode, else prefill when both
-    prefill (None: nothing in common to compare)."""
-    if a.n_gen and b.n_gen:
-        return "decode"
-    if (a.n_prompt or a.shared_prefix) and (b.n_prompt or b.shared_prefix):
-        return "prefill"
-    return None
 
 
 def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:

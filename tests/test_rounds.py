@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from harness.core.rounds import (
+    PAIRING_FIELDS,
     Policy,
     contrast_pairs,
     group_by_memory,
@@ -71,10 +72,27 @@ def test_relative_ci_needs_three_samples():
     assert relative_ci([10.0] * 6) == 0.0
 
 
-def test_contrasts_pair_cells_that_differ_in_one_setting():
-    cells = {"a": ("m1", "f32", 2), "b": ("m2", "f32", 2), "c": ("m1", "q4_0", 2),
-             "d": ("m2", "q4_0", 1)}
-    assert contrast_pairs(cells) == [("a", "b"), ("a", "c")]
+def _key(**changed):
+    base = dict(zip(PAIRING_FIELDS, ("m1", "f32", 2, 2048, 512, None, 16, 64, 0, "f16", 1, 0),
+                    strict=True))
+    return tuple((base | changed).values())
+
+
+def test_contrasts_pair_cells_that_differ_in_one_setting_on_the_phases_compared():
+    both = {"decode", "prefill"}
+    cells = {"a": _key(), "b": _key(model="m2"), "c": _key(dtype="q4_0"),
+             "d": _key(model="m2", dtype="q4_0"), "e": _key(n_gen=32), "f": _key(n_prompt=128)}
+    pairs = contrast_pairs(cells, dict.fromkeys(cells, both))
+    assert ("a", "b", "decode") in pairs and ("a", "b", "prefill") not in pairs  # sizes: decode
+    assert {("a", "c", "decode"), ("a", "c", "prefill")} <= set(pairs)  # types: both phases
+    assert ("a", "f", "prefill") in pairs and ("a", "f", "decode") not in pairs  # prompts
+    assert not [p for p in pairs if "e" in p[:2]]  # generation lengths are not compared
+    assert not [p for p in pairs if {"a", "d"} == set(p[:2])]  # two settings apart
+    prefill_only = contrast_pairs({"a": _key(n_gen=0), "b": _key(n_gen=0, model="m2")},
+                                  {"a": {"prefill"}, "b": {"prefill"}})
+    assert prefill_only == []  # model sizes on prefill alone: no contrast, min_repetitions
+    assert stop_reason(6, None, Policy(None), alone=True) == "alone"
+    assert stop_reason(5, None, Policy(None), alone=True) is None
 
 
 def _drifting_cells(rounds: int, seed: int = 5) -> dict:

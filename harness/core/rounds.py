@@ -56,37 +56,59 @@ def contrast_ci(ours: dict, theirs: dict) -> float | None:
     return max(c["ratio"] - lo, hi - c["ratio"]) / c["ratio"]
 
 
-def contrast_pairs(cells: dict[str, tuple]) -> list[tuple[str, str]]:
-    """The comparisons a report draws between cells: pairs whose settings (a tuple per cell,
-    the context left out since it follows the others) differ in exactly one place: model,
-    weight type, threads, prompt, generation, depth, KV type, sequences..."""
-    ids = sorted(cells)
-    return [(a, b) for i, a in enumerate(ids) for b in ids[i + 1:]
-            if sum(x != y for x, y in zip(cells[a], cells[b], strict=True)) == 1]
+# The settings that tell two cells apart (the context follows them and is left out), and the
+# phases on which the report compares two cells that differ in one of them: model sizes and
+# experts on decode, prompt lengths and cached prefixes on prefill, weight types, threads and
+# kernel settings on every phase both cells have; generation lengths it does not compare.
+BOTH = ("decode", "prefill")
+COMPARED_ON = {"model": ("decode",), "dtype": BOTH, "threads": BOTH, "n_batch": BOTH,
+               "n_ubatch": BOTH, "flash_attn": BOTH, "n_prompt": ("prefill",), "n_gen": (),
+               "depth": ("decode",), "kv_type": ("decode",), "parallel": ("decode",),
+               "shared_prefix": ("prefill",)}
+PAIRING_FIELDS = tuple(COMPARED_ON)
+
+
+def contrast_pairs(cells: dict[str, tuple], phases: dict[str, set]) -> list[tuple]:
+    """The contrasts a report draws between cells, as (a, b, phase): cells whose settings
+    (tuples in PAIRING_FIELDS order) differ in exactly one place, on each phase the report
+    compares that setting on and both cells measure (phases: cell -> its phases)."""
+    ids, out = sorted(cells), []
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            differ = [f for f, x, y in zip(PAIRING_FIELDS, cells[a], cells[b], strict=True)
+                      if x != y]
+            if len(differ) == 1:
+                out += [(a, b, ph) for ph in COMPARED_ON[differ[0]]
+                        if ph in phases[a] and ph in phases[b]]
+    return out
 
 
 def widest_ci(cell: str, partners: list[tuple[str, str]], series, target: str = "contrasts"
               ) -> float | None:
     """The widest relative interval a cell is judged on: its contrasts with its partners
-    ((partner, phase) pairs; series(cell, phase) gives {round: rate}) when target is
-    `contrasts` and it has any, else its own long-run median; None while one is missing."""
-    if target == "absolute" or not partners:
+    ((partner, phase) pairs; series(cell, phase) gives {round: rate}), or its own long-run
+    median under target `absolute`; None while one is missing or, with target `contrasts`,
+    when the cell is in no contrast."""
+    if target == "absolute":
         own = series(cell, None)
         return relative_ci([own[k] for k in sorted(own)])
     widths = [contrast_ci(series(cell, phase), series(other, phase))
               for other, phase in partners]
-    return None if any(w is None for w in widths) else max(widths)
+    return None if not widths or any(w is None for w in widths) else max(widths)
 
 
-def stop_reason(n: int, ci: float | None, policy: Policy, over_budget: bool = False
-                ) -> str | None:
-    """Why a cell leaves the rounds now ("fixed", "target", "max", "budget"), or None to go
-    on, from its repetitions so far and the widest interval it is judged on. The run's time
-    budget stops only `auto` cells, and never before min_repetitions."""
+def stop_reason(n: int, ci: float | None, policy: Policy, over_budget: bool = False,
+                alone: bool = False) -> str | None:
+    """Why a cell leaves the rounds now ("fixed", "target", "alone", "max", "budget"), or None
+    to go on, from its repetitions so far and the widest interval it is judged on; `alone`: a
+    cell in no contrast when the target is the contrasts, done at min_repetitions. The run's
+    time budget stops only `auto` cells, and never before min_repetitions."""
     if not policy.auto:
         return "fixed" if n >= policy.repetitions else None
     if n >= policy.max_repetitions:
         return "max"
+    if alone and n >= policy.min_repetitions:
+        return "alone"
     if n >= policy.min_repetitions and ci is not None and ci <= policy.target_ci:
         return "target"
     if over_budget and n >= policy.min_repetitions:

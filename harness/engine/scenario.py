@@ -122,12 +122,18 @@ class Measurement:
 
     @property
     def pairing_key(self) -> tuple:
-        """Every setting but the context (which follows the others): two cells whose keys
-        differ in one place are a comparison the report draws."""
+        """Every setting but the context (which follows the others), in the order of
+        harness.core.rounds.PAIRING_FIELDS: cells whose keys differ in one place are compared."""
         s = self.settings
         return (self.model.label, self.model.dtype, s.threads, s.n_batch, s.n_ubatch,
                 s.flash_attn, self.n_prompt, self.n_gen, self.depth, self.kv_type,
                 self.parallel, self.shared_prefix)
+
+    @property
+    def phases(self) -> set[str]:
+        """The phases the cell measures."""
+        return ({"decode"} if self.n_gen else set()) | (
+            {"prefill"} if self.n_prompt or self.shared_prefix else set())
 
     @property
     def n_seq_ctx(self) -> int:

@@ -65,8 +65,9 @@ def side_by_side(data: dict) -> Table | None:
         notes.append(f"Per token, decode took {ratio:.0f}× as long as prefill of "
                      f"{pre[0]['n_prompt']} tokens: the same weights, read once per "
                      "ubatch of prompt tokens but once per generated token.")
-    notes.append("tok/s: median over the repetitions, 95% confidence interval in brackets; "
-                 "seconds and ms/token follow from that median.")
+    notes.append("tok/s: median over the repetitions, with the 95% interval of this "
+                 "machine's long-run median (drift included) in brackets; seconds and "
+                 "ms/token follow from that median, ms/token's interval inverted.")
     return Table("side_by_side", f"Prefill and decode, side by side ({main[0]}, "
                  f"{main[1].upper()}, {main[2]} threads)", [
                      Column("phase", "phase"), Column("work", "tokens"),

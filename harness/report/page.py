@@ -38,7 +38,8 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
              "notes": notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
             for r in analysis["prefill"] if r["n_gen"] == 0]
     notes = ["Prefill time runs from the first prompt token to the logits of the last; tok/s "
-             "is the median over the repetitions with its 95% confidence interval in brackets; "
+             "is the median over the repetitions with, in brackets, the 95% interval of this "
+             "machine's long-run median (drift included; docs/statistics.md); "
              "time = prompt tokens ÷ that rate. GFLOP/s counts 2 × matmul parameters per token "
              "plus causal attention (Kaplan et al. 2020). The compute peak is ggml's own "
              "matrix-matrix kernel (weights × a 512-column activation) for each of the model's "
@@ -75,8 +76,9 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
              "output, plus the KV cache at the mean context"
              + (f"; of a mixture of experts ({', '.join(moe)}) only the k of E experts a token "
                 "is routed to (its active bytes)." if moe else "."),
-             "tok/s is the median over the repetitions with its 95% confidence interval in "
-             "brackets; ms/token = 1000 ÷ that rate. effective GB/s = tok/s × read per token.",
+             "tok/s is the median over the repetitions with, in brackets, the 95% interval of "
+             "this machine's long-run median (drift included); ms/token = 1000 ÷ that rate, "
+             "interval inverted. effective GB/s = tok/s × read per token.",
              "Streaming ceiling: ggml's own matrix-vector kernel over a matrix far larger than "
              "the cache, for each of the model's tensor types, combined by their bytes (total "
              "bytes ÷ Σ bytes of a type ÷ that type's GB/s), probed right beside the "
@@ -183,7 +185,8 @@ def stability_lines(st: dict) -> list[str]:
 def repetitions_table(measurements: list[dict]) -> Table:
     """How each interleaved cell ended: its repetitions, why it stopped, the CI it reached."""
     words = {"target": "reached its CI target", "budget": "time budget", "max":
-             "max_repetitions", "fixed": "fixed count"}
+             "max_repetitions", "fixed": "fixed count",
+             "alone": "min_repetitions (in no contrast)"}
     rows = [{"cell": f"{m['model']} {m['dtype']} t{m['threads']} {test_label(m)}",
              "n": m["repetitions"], "stopped": words.get(m["stopped_by"], m["stopped_by"]),
              "target": (m.get("policy") or {}).get("target_ci")
@@ -199,12 +202,18 @@ def repetitions_table(measurements: list[dict]) -> Table:
              "rounds)."]
     budget = [r for r in rows if r["stopped"] == "time budget"]
     auto = [r for r in rows if r["target"] is not None]
+    alone = [r for r in rows if r["stopped"] == words["alone"]]
+    if alone:
+        notes.append(f"{len(alone)} cell{'s' if len(alone) != 1 else ''} took part in no "
+                     "contrast the report draws (no cell differs from "
+                     f"{'them' if len(alone) != 1 else 'it'} in one setting it compares), so "
+                     "ran min_repetitions; their own intervals are in the tables.")
     if budget:
         notes.append(f"The run ended at its time budget: {len(budget)} of {len(rows)} cells "
                      "stopped there before reaching their target.")
     elif auto:
-        notes.append(f"The run ended when all {len(auto)} auto cells had reached their target, "
-                     "before its time budget.")
+        notes.append(f"The run ended when all {len(auto)} auto cells had reached their target "
+                     "(or min_repetitions, in no contrast), before its time budget.")
     return Table("repetitions", "Repetitions: how each measurement ended", [
         Column("cell", "cell"), Column("repetitions", "n", "int"),
         Column("stopped by", "stopped"), Column("target ±", "target", "pct1"),
@@ -389,7 +398,8 @@ def _rounds_sentence(records) -> str:
     sizes = [len(r.get("order") or []) for r in rounds]
     reasons = Counter(m.get("stopped_by") for m in records.measurements if m.get("stopped_by"))
     words = {"target": "reached {} target", "budget": "stopped at the time budget",
-             "max": "stopped at max_repetitions", "fixed": "ran {} fixed count"}
+             "max": "stopped at max_repetitions", "fixed": "ran {} fixed count",
+             "alone": "stopped at min_repetitions, in no contrast the report draws"}
     ended = ", ".join(f"{n} " + words.get(k, k).format("its" if n == 1 else "their")
                       for k, n in sorted(reasons.items()))
     size = f"{min(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}–{max(sizes)}"

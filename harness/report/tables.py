@@ -179,8 +179,8 @@ def render_summary(measurements: list[dict]) -> str:
              _with_ci(m["decode_tok_s"]), _with_ci(inverse(m["decode_tok_s"])),
              m["repetitions"], ", ".join(m["flags"])] for m in measurements]
     return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
-        "\nMedians over the repetitions, with the 95% confidence interval of the median in " \
-        "brackets; ms/token = 1000 ÷ the decode rate."
+        "\nMedians over the repetitions, with the 95% interval of this machine's long-run " \
+        "median in brackets (drift included); ms/token = 1000 ÷ the decode rate."
 
 
 def _pct(x: float | None) -> str:
