@@ -72,8 +72,8 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
                  argv: list[str] | None = None,
                  prober_factory: ProberFactory | None = None) -> dict:
     """Measure every pending measurement, appending each record the moment it exists; probe
-    every ceiling before and after, the ones each measurement needs right beside it, and
-    append the analysis."""
+    every ceiling before and after, the ones each round needs before it, and append the
+    analysis."""
     console = console or Console()
     _write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
@@ -309,8 +309,9 @@ class _Rounds:
 
     def _finish(self, active: list[Measurement], round_index: int) -> list[Measurement]:
         """Cells whose policy (or the run's time budget) says stop leave the rounds: an auto
-        cell once the contrasts it is part of (or, with no partner or `target: absolute`, its
-        own figure) are within target_ci; the cells of a contrast leave together."""
+        cell once the contrasts it is part of (its own figure under `target: absolute`) are
+        within target_ci, or at min_repetitions when it is in none; the cells of a contrast
+        leave together."""
         elapsed = self.spent_s + time.monotonic() - self.clock
         over = self.scenario.max_seconds is not None and elapsed >= self.scenario.max_seconds
         live = [m for m in active if m.id not in self.failed]
@@ -324,7 +325,7 @@ class _Rounds:
                 self._write_measurement(m, reason, widths[m.id])
                 continue
             still.append(m)
-            if m.settings.policy.auto:
+            if m.settings.policy.auto and not alone:
                 ci = widths[m.id]
                 widest = max(widest, (ci if ci is not None else float("inf"), m.id),
                              key=lambda w: w[0])

@@ -217,7 +217,7 @@ def test_lever_findings_say_what_each_lever_did():
     assert "With 8,192 tokens already cached, decode of a ran 1.41× slower" in text
     assert "predict 1.05×" in text
     assert "Decode of a ran 1.75× faster on 2 threads than on 1." in text
-    assert "from 15.66 s to 0.49 s (a 97% saving)" in text
+    assert "from 15.66 s to 0.49 s (a saving of 97%)" in text
 
 
 def test_stability_finds_two_regimes_and_disturbed_rounds():

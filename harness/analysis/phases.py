@@ -122,8 +122,37 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
             "share_of_peak": share, "share_of_peak_ci": by_round, "flags": flags,
             "noise": m.get("noise"),
+            "round_rates": [[list(k), x] for k, x in round_rates(m, "prefill").items()],
         })
     return rows
+
+
+def blocks(row: dict) -> dict:
+    """A decode or prefill row's per-round rates, keyed by (RAM group, round)."""
+    return {tuple(k): x for k, x in row.get("round_rates") or []}
+
+
+def prompt_contrasts(prefill: list[dict]) -> list[dict]:
+    """Prefill rate at every longer prompt ÷ at the shortest, per model, type and threads
+    (prefill-only rows), round by round: how a long prompt slows each prompt token."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in prefill:
+        if r["n_gen"] == 0:
+            groups.setdefault(config_key(r), []).append(r)
+    out = []
+    for rows in groups.values():
+        short = min(rows, key=lambda r: r["n_prompt"])
+        for r in sorted(rows, key=lambda r: r["n_prompt"]):
+            if r is short:
+                continue
+            c = contrast(blocks(r), blocks(short)) or unpaired(r["tok_s"], short["tok_s"])
+            out.append(c | {"numerator": r["id"], "denominator": short["id"],
+                            "metric": "prefill_tok_s", "n_prompt": r["n_prompt"],
+                            "base_n_prompt": short["n_prompt"], "model": r["model"],
+                            "dtype": r["dtype"], "threads": r["threads"],
+                            "name": f"prefill of {r['model']} {r['dtype']} t{r['threads']}: "
+                                    f"pp{r['n_prompt']} ÷ pp{short['n_prompt']}"})
+    return out
 
 
 def config_key(r: dict) -> tuple:

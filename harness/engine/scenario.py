@@ -131,9 +131,9 @@ class Measurement:
 
     @property
     def phases(self) -> set[str]:
-        """The phases the cell measures."""
-        return ({"decode"} if self.n_gen else set()) | (
-            {"prefill"} if self.n_prompt or self.shared_prefix else set())
+        """The phase the report compares the cell on: decode when it decodes (its short
+        prompt only sets the context), else prefill, as the levers pick their rows."""
+        return {"decode"} if self.n_gen else {"prefill"}
 
     @property
     def n_seq_ctx(self) -> int:

@@ -40,16 +40,17 @@ def spec_of(models: dict, m: dict) -> ModelSpec:
     return ModelSpec(**models[m["model_key"]]["spec"])
 
 
-def round_ratio(a: dict, b: dict, phase: str, metric: str | None = None) -> dict | None:
+def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
     """a's rate ÷ b's, a contrast of the run's model (harness.core.stats): round by round
     where both ran a repetition, so drift between rounds cancels; for cells that never shared
     a round (other RAM groups, runs without rounds), the ratio of medians, unpaired, with an
     interval that keeps the drift, and why. Named by the two cells' ids and the metric."""
     ours, theirs = round_rates(a, phase), round_rates(b, phase)
-    out = contrast(ours, theirs)
     if a["id"] == b["id"]:  # a cell against itself (a table's baseline row): exactly 1
         out = {"n": (a.get(f"{phase}_tok_s") or {}).get("n", 1), "ratio": 1.0, "median": 1.0,
                "median_ci95": [1.0, 1.0], "paired": True}
+    else:
+        out = contrast(ours, theirs)
     if out is None:
         out = unpaired(a.get(f"{phase}_tok_s"), b.get(f"{phase}_tok_s"))
         if out is None:
@@ -57,7 +58,7 @@ def round_ratio(a: dict, b: dict, phase: str, metric: str | None = None) -> dict
         out["why"] = ("the run recorded no rounds" if not ours or not theirs else
                       "they shared no rounds (other RAM groups)")
     return out | {"numerator": a["id"], "denominator": b["id"],
-                  "metric": metric or f"{phase}_tok_s", "name": contrast_name(a, b, phase)}
+                  "metric": f"{phase}_tok_s", "name": contrast_name(a, b, phase)}
 
 
 NAMED = (("model", ""), ("dtype", ""), ("threads", "t"), ("n_prompt", "pp"),
@@ -72,7 +73,8 @@ def contrast_name(a: dict, b: dict, phase: str) -> str:
     def side(m: dict) -> str:
         return " ".join(f"{p}{m.get(k)}" for k, p in NAMED if k in differ) or m["id"]
 
-    return f"{phase} of {' '.join(same[:2])}: {side(a)} ÷ {side(b)}".replace("of :", "of")
+    head = f"{phase} of {' '.join(same[:2])}" if same else phase
+    return f"{head}: {side(a)} ÷ {side(b)}"
 
 
 def unpaired_note(pairs: list[tuple[str, str, dict | None]]) -> list[str]:

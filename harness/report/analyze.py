@@ -6,7 +6,13 @@ from __future__ import annotations
 from ..analysis.ceilings import round_rates
 from ..analysis.estimates import moe_names, prediction_table, predictions, workload_balance
 from ..analysis.machine import ceilings_summary, probe_errors, stability
-from ..analysis.phases import decode_rows, fit_verdicts, phase_use, prefill_rows
+from ..analysis.phases import (
+    decode_rows,
+    fit_verdicts,
+    phase_use,
+    prefill_rows,
+    prompt_contrasts,
+)
 from ..core.errors import HarnessError
 from ..core.specs import all_specs
 from ..core.stats import machine_drift
@@ -14,7 +20,7 @@ from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 11
+ANALYSIS_VERSION = 12
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
@@ -29,6 +35,7 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
         "probe_errors": probe_errors(probes),
         "decode": decode, "fits": fits, "prefill": prefill,
+        "prompt_lengths": prompt_contrasts(prefill),
         "predictions": predictions(fits, decode, models, table, moe),
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
         "stability": stability(measurements, rounds or [], noisy_cores),

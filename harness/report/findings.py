@@ -158,9 +158,13 @@ def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
     if len({r["n_prompt"] for r in pre}) < 2:
         return []
     short, long = min(pre, key=lambda r: r["n_prompt"]), max(pre, key=lambda r: r["n_prompt"])
+    c = next((c for c in a.get("prompt_lengths") or [] if c["numerator"] == long["id"]
+              and c["denominator"] == short["id"]), None)
+    paired = (f", {times(c['ratio'], c)} that rate, "
+              f"{'round by round' if c.get('paired') else 'unpaired'}" if c else "")
     return [f"A {long['n_prompt']:,}-token prompt to {main[0]} took {long['seconds']:.1f} s "
             f"before its first token ({center(long['tok_s']):.0f} tok/s, against "
-            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens)."]
+            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens{paired})."]
 
 
 def _quant_finding(a: dict) -> list[str]:
@@ -226,6 +230,10 @@ def _prefix_finding(a: dict) -> list[str]:
     if not rows:
         return []
     r = rows[0]
+    ci = (r.get("seq_copy_speedup_ci") or {}).get("median_ci95")
+    saved = (f"a saving of {r['seq_copy_saving']:.0%} [{1 - 1 / ci[0]:.0%}–{1 - 1 / ci[1]:.0%}],"
+             " both timed in each repetition" if ci else
+             f"a saving of {r['seq_copy_saving']:.0%}")
     return [f"Reusing a cached {r['shared_prefix']:,}-token prefix cut the time to first token "
             f"from {center(r['recompute_s']):.2f} s to {center(r['seq_copy_s']):.2f} s "
-            f"(a {r['seq_copy_saving']:.0%} saving)."]
+            f"({saved})."]

@@ -81,9 +81,9 @@ def decode_table(measurements: list[dict], analysis: dict) -> Table:
              "interval inverted. effective GB/s = tok/s × read per token.",
              "Streaming ceiling: ggml's own matrix-vector kernel over a matrix far larger than "
              "the cache, for each of the model's tensor types, combined by their bytes (total "
-             "bytes ÷ Σ bytes of a type ÷ that type's GB/s), probed right beside the "
-             "measurement; the share is taken round by round (each repetition ÷ the ceiling "
-             "probed before its round), with its 95% interval. numpy read: the plain memory "
+             "bytes ÷ Σ bytes of a type ÷ that type's GB/s), probed before every round; the "
+             "share is taken round by round (each repetition ÷ the ceiling probed before its "
+             "round), with its 95% interval. numpy read: the plain memory "
              "read of the machine (STREAM conventions), a diagnostic beside the yardstick, not "
              "a ceiling."]
     notes += read_share_notes(analysis["decode"])

@@ -202,7 +202,8 @@ def render_analysis(a: dict) -> str:
                 for r in a["decode"]]
         parts.append("Decode: effective bandwidth = tok/s × GB read per token\n" + tabulate(
             body, ["model", "dtype", "threads", "GB/token", "tok/s", "effective GB/s",
-                   "streaming ceiling GB/s", "share", "numpy read GB/s", "flags"],
+                   "streaming ceiling GB/s", "share", "numpy read GB/s (diagnostic)",
+                   "flags"],
             tablefmt="simple", disable_numparse=True))
     for f in a["fits"]:
         fit = f["fit"]
