@@ -247,3 +247,18 @@ def test_round_fits_cancel_drift_and_give_each_model_its_residual():
 
     (line,) = round_fit_lines(f)
     assert "Not redone round by round" in line and "in 0 rounds" in line
+
+
+def test_a_share_is_taken_against_the_probe_of_its_own_round_and_thread_count():
+    """Rounds of a threads sweep probe once per thread count: each cell's share uses its own."""
+    probes = []
+    for rnd in range(3):
+        for threads, gb_s in ((1, 10.0 + rnd), (2, 20.0 + rnd)):
+            p = _probe(10 * rnd + threads, threads, f32=gb_s)
+            probes.append(p | {"when": "beside", "round": rnd, "threads": [threads]})
+    m = {"threads": 1, "n_gen": 10, "parallel": 1, "ram_group": 0,
+         "samples": {"rounds": [0, 1, 2], "decode_s": [[1.0]] * 3}}
+    share = ceilings.round_shares(m, "decode", {"f32": 100}, probes, "stream_gb_s", 1.0)
+    # 10 tok/s x 1 GB against the median pass (0.99 x) of 10, 11, 12 GB/s at 1 thread
+    expected = [10 / (0.99 * v) for v in (10.0, 11.0, 12.0)]
+    assert share["n"] == 3 and share["per_round"] == pytest.approx(expected)

@@ -86,7 +86,8 @@ def round_shares(m: dict, phase: str, weights: dict, probes: list[dict], what: s
     rate × per_rate) ÷ the ceiling probed just before that round (the median of the
     probe's passes over the model's tensor types), summarized as a contrast of the run's
     model; None without beside probes."""
-    beside = {p["round"]: p for p in probes if p.get("when") == "beside" and "round" in p}
+    beside = {p["round"]: p for p in probes if p.get("when") == "beside" and "round" in p
+              and m["threads"] in (p.get("threads") or [m["threads"]])}
     shares = []
     for (_, rnd), rate in sorted(round_rates(m, phase).items()):
         probe = beside.get(rnd)

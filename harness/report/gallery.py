@@ -11,7 +11,7 @@ from ..analysis.phases import longest_decodes
 from ..core.stats import center
 from ..core.yamlio import load_yaml_file
 from ..render.plotkit import plt, save
-from ..render.tabular import Column, Table, markdown_table
+from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 
 CEILINGS = (("read_gb_s", ("read_gb_s",)), ("copy_gb_s", ("copy_gb_s",)),
             ("stream_f32_gb_s", ("ggml", "f32", "stream_gb_s")))
@@ -118,7 +118,11 @@ def decode_table(data: dict) -> Table:
          "measured in the run) predicts for the bytes one decode step reads. tok/s carries the "
          "95% interval of its machine's long-run median, the share its round-by-round "
          "interval (harness.core.stats); machines share no round, so between machines "
-         "only such intervals compare."])
+         "only such intervals compare."]
+        + ceiling_share_notes([(r["share_of_stream"], r["stream_ceiling"].get("spread"),
+                                "above-ceiling" in r["flags"])
+                               for m in data["machines"].values()
+                               for r in m["decode"].values()]))
 
 
 def render_gallery(data: dict, plot: str | None) -> str:
