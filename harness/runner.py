@@ -210,7 +210,7 @@ class _Rounds:
         self.by_id = {m.id: m for m in todo}
         self.partners: dict[str, list[tuple[str, str]]] = {}
         for a, b, phase in contrast_pairs({m.id: m.pairing_key for m in todo},
-                                          {m.id: m.phases for m in todo}):
+                                          {m.id: {m.phase} for m in todo}):
             self.partners.setdefault(a, []).append((b, phase))
             self.partners.setdefault(b, []).append((a, phase))
         self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]

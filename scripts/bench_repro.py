@@ -15,7 +15,6 @@ Goals (issue 21): contrasts agree within ±3% between the runs with stated inter
 from __future__ import annotations
 
 import argparse
-import math
 import subprocess
 import sys
 import time
@@ -40,12 +39,12 @@ def load(run: Path) -> tuple[object, dict]:
 
 
 def _half(c: dict | None) -> float | None:
-    """The wider side of a ratio's or figure's 95% interval, on the log scale."""
-    ci = (c or {}).get("ci95") or (c or {}).get("median_ci95")
-    mid = (c or {}).get("ratio") or (c or {}).get("median")
-    if not ci or not mid:
-        return None
-    return max(math.log(ci[1] / mid), math.log(mid / ci[0]))
+    """The wider side of a figure's or a JSON contrast's 95% interval, on the log scale."""
+    from harness.core.stats import log_half_width
+
+    if c and "ratio" in c:  # the JSON report's shape: ratio and ci95
+        c = {"n": c.get("n", 1), "median": c["ratio"], "median_ci95": c.get("ci95")}
+    return log_half_width(c)
 
 
 def _pct(x: float | None) -> str:

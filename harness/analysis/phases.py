@@ -16,7 +16,7 @@ from ..core.costs import (
     prefill_flops,
 )
 from ..core.specs import ModelSpec
-from ..core.stats import center, contrast, ratio_summary, summarize, unpaired
+from ..core.stats import center, contrast, ratio_summary, row_blocks, summarize, unpaired
 from .ceilings import (
     above_ceiling,
     ceiling_near,
@@ -127,11 +127,6 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
     return rows
 
 
-def blocks(row: dict) -> dict:
-    """A decode or prefill row's per-round rates, keyed by (RAM group, round)."""
-    return {tuple(k): x for k, x in row.get("round_rates") or []}
-
-
 def prompt_contrasts(prefill: list[dict]) -> list[dict]:
     """Prefill rate at every longer prompt ÷ at the shortest, per model, type and threads
     (prefill-only rows), round by round: how a long prompt slows each prompt token."""
@@ -145,7 +140,8 @@ def prompt_contrasts(prefill: list[dict]) -> list[dict]:
         for r in sorted(rows, key=lambda r: r["n_prompt"]):
             if r is short:
                 continue
-            c = contrast(blocks(r), blocks(short)) or unpaired(r["tok_s"], short["tok_s"])
+            c = (contrast(row_blocks(r), row_blocks(short))
+                 or unpaired(r["tok_s"], short["tok_s"]))
             out.append(c | {"numerator": r["id"], "denominator": short["id"],
                             "metric": "prefill_tok_s", "n_prompt": r["n_prompt"],
                             "base_n_prompt": short["n_prompt"], "model": r["model"],
@@ -238,7 +234,7 @@ def round_fits(group: list[dict]) -> dict:
     between rounds cancels: the fitted GB/s with its CI over rounds, and each model's
     measured ÷ fitted tok/s (its residual as a ratio) with its CI. Under 2 such rounds, the
     reason the fit stays unpaired."""
-    by_round = [{tuple(k): x for k, x in r.get("round_rates") or []} for r in group]
+    by_round = [row_blocks(r) for r in group]
     common = sorted(set.intersection(*(set(d) for d in by_round)))
     if len(common) < 2:
         return {"round_fit_unpaired": len(common)} if all(by_round) else {}
@@ -267,8 +263,7 @@ def size_contrasts(group: list[dict]) -> list[dict]:
     out = []
     for i, small in enumerate(rows):
         for big in rows[i + 1:]:
-            c = contrast({tuple(k): x for k, x in big.get("round_rates") or []},
-                         {tuple(k): x for k, x in small.get("round_rates") or []})
+            c = contrast(row_blocks(big), row_blocks(small))
             if c is None:  # never in a round together: their intervals, drift kept
                 c = unpaired(big["tok_s"], small["tok_s"])
             out.append(c | {

@@ -19,7 +19,7 @@ The block (every key but source and hardware optional):
 from __future__ import annotations
 
 from .errors import HarnessError
-from .stats import center, contrast, decide, scaled, unpaired
+from .stats import center, contrast, decide, row_blocks, scaled, unpaired
 from .yamlio import Doc, check_keys, want_float, want_int, want_mapping, want_str
 
 FIGURE_NUMBERS = {"prefill_s": "s", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s",
@@ -280,7 +280,7 @@ def _batching(claim: dict, analysis: dict, env: dict) -> dict:
     if not row:
         return _not_measured(f"needs decode of 1 and {claim['parallel']} sequences")
     gain = row["speedup_ci"]
-    each = _over(gain, row["parallel"])
+    each = row.get("per_user_ci") or _over(gain, row["parallel"])  # rows from the lever have it
     out = _verdict([("aggregate gain", gain, claim["min_gain"], None)])
     return out | {"tolerance": claim["min_gain"],
                   "measured": f"{row['parallel']} sequences: {_ci_text(gain)} the aggregate "
@@ -302,7 +302,7 @@ def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
         return _not_measured("needs decode of the model of the longest prompt")
     # steps = prefill seconds ÷ seconds per step = n_prompt × decode tok/s ÷ prefill tok/s,
     # round by round where both ran (the drift cancels), else their medians, unpaired
-    steps = scaled(contrast(_blocks(same[0]), _blocks(longest))
+    steps = scaled(contrast(row_blocks(same[0]), row_blocks(longest))
                    or unpaired(same[0]["tok_s"], longest["tok_s"]), longest["n_prompt"])
     out = _verdict([("decode steps in the first token's time", steps, claim["min_tokens"],
                      None)])
@@ -314,10 +314,6 @@ def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
                               + (f" [{ci[0]:.0f}–{ci[1]:.0f}]" if ci else "")
                               + f" decode steps of {ms:.0f} ms",
                   "why": f"needs ≥ {claim['min_tokens']} decode steps" + _undecided(out)}
-
-
-def _blocks(row: dict) -> dict:
-    return {tuple(k): x for k, x in row.get("round_rates") or []}
 
 
 def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:

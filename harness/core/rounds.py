@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .stats import absolute_interval, contrast, log_median
+from .stats import contrast, relative_half_width, summarize
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,13 @@ def round_order(cell_ids: list[str], seed: int, round_index: int) -> list[str]:
 def relative_ci(samples: list[float]) -> float | None:
     """The wider side of the 95% interval of a cell's long-run median relative to it (None
     under 3 samples)."""
-    ci = absolute_interval(samples)
-    if not ci:
-        return None
-    mid = log_median(samples)
-    return max(mid - ci[0], ci[1] - mid) / mid
+    return relative_half_width(summarize(samples)) if samples else None
 
 
 def contrast_ci(ours: dict, theirs: dict) -> float | None:
     """The wider side of a contrast's 95% interval relative to its ratio (per-round rates of
     two cells, {round: rate}); None under 3 shared rounds."""
-    c = contrast(ours, theirs)
-    if not c or not c["median_ci95"]:
-        return None
-    lo, hi = c["median_ci95"]
-    return max(c["ratio"] - lo, hi - c["ratio"]) / c["ratio"]
+    return relative_half_width(contrast(ours, theirs))
 
 
 # The settings that tell two cells apart (the context follows them and is left out), and the

@@ -132,6 +132,14 @@ def scaled(summary: dict | None, factor: float) -> dict | None:
             "median_ci95": [ci[0] * factor, ci[1] * factor] if ci else None}
 
 
+def log_half_width(summary: dict | None) -> float | None:
+    """The wider side of a summary's interval on the log scale (None without one)."""
+    mid, ci = center(summary), (summary or {}).get("median_ci95")
+    if not mid or not ci or min(ci) <= 0:
+        return None
+    return max(math.log(ci[1] / mid), math.log(mid / ci[0]))
+
+
 def relative_half_width(summary: dict | None) -> float | None:
     """The wider side of a summary's interval relative to its median (None without one)."""
     mid = center(summary)
@@ -167,13 +175,18 @@ def unpaired(ours: dict, theirs: dict) -> dict | None:
     x, y = center(ours), center(theirs)
     if not x or not y:
         return None
-    ci_x, ci_y = (ours or {}).get("median_ci95"), (theirs or {}).get("median_ci95")
+    h_x, h_y = log_half_width(ours), log_half_width(theirs)
     ci = None
-    if ci_x and ci_y and min(ci_x + ci_y) > 0:
-        half = math.hypot(max(math.log(ci_x[1] / x), math.log(x / ci_x[0])),
-                          max(math.log(ci_y[1] / y), math.log(y / ci_y[0])))
+    if h_x is not None and h_y is not None:
+        half = math.hypot(h_x, h_y)
         ci = [x / y * math.exp(-half), x / y * math.exp(half)]
     return {"n": 1, "ratio": x / y, "median": x / y, "median_ci95": ci, "paired": False}
+
+
+def row_blocks(row: dict) -> dict:
+    """An analysis row's per-round rates ([[[RAM group, round], rate], ...] as stored) keyed
+    by (RAM group, round), the blocks a contrast pairs."""
+    return {tuple(k): x for k, x in row.get("round_rates") or []}
 
 
 def ratio_summary(values: list[float]) -> dict | None:

@@ -85,16 +85,10 @@ class Cell:
         self.ctx.close()
 
 
-def target_phase(m: Measurement) -> str:
-    """The phase a cell's confidence target is on: its decode when it decodes, else its
-    prefill (time to first token, for a prefix test)."""
-    return "decode" if m.n_gen else "prefill"
-
-
 def round_series(m: Measurement, reps: list[dict], phase: str | None = None
                  ) -> dict[int, float]:
-    """A cell's tok/s of one phase (its target phase by default) keyed by round."""
-    phase = phase or target_phase(m)
+    """A cell's tok/s of one phase (the one it is judged on by default) keyed by round."""
+    phase = phase or m.phase
     if phase == "decode":
         n = m.parallel * m.n_gen
         return {r["round"]: n / sum(r["rep"]["decode_s"]) for r in reps

@@ -130,10 +130,11 @@ class Measurement:
                 self.parallel, self.shared_prefix)
 
     @property
-    def phases(self) -> set[str]:
-        """The phase the report compares the cell on: decode when it decodes (its short
-        prompt only sets the context), else prefill, as the levers pick their rows."""
-        return {"decode"} if self.n_gen else {"prefill"}
+    def phase(self) -> str:
+        """The phase the cell is judged and compared on: decode when it decodes (its short
+        prompt only sets the context), else prefill (time to first token, for a prefix
+        test), as the levers pick their rows."""
+        return "decode" if self.n_gen else "prefill"
 
     @property
     def n_seq_ctx(self) -> int:

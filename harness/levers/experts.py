@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from ..analysis.phases import fit_through_origin, longest_decodes
-from ..core.stats import center, ratio_summary
+from ..core.stats import center, ratio_summary, row_blocks
 from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, threads_label
@@ -54,8 +54,7 @@ def _paired_of_active(r: dict, dense: list[dict]) -> dict | None:
     (drift cancels); without dense models, the share of the streaming ceiling per round."""
     if not dense:
         return r.get("share_of_stream_ci")
-    ours = {tuple(k): x for k, x in r.get("round_rates") or []}
-    theirs = [{tuple(k): x for k, x in d.get("round_rates") or []} for d in dense]
+    ours, theirs = row_blocks(r), [row_blocks(d) for d in dense]
     common = sorted(set(ours).intersection(*theirs))
     ratios = []
     for rnd in common:

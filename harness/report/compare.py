@@ -6,10 +6,9 @@ excludes 1."""
 
 from __future__ import annotations
 
-import math
 import re
 
-from ..core.stats import center, unpaired
+from ..core.stats import center, log_half_width, unpaired
 
 ENV_KEYS = ("cpu_model", "physical_cores", "ram_total_bytes", "os")
 
@@ -162,9 +161,7 @@ def _ratio(o: dict) -> str:
 
 
 def _stat(s: dict, digits: int = 2) -> str:
-    ci = s.get("median_ci95")
-    mid = center(s)
-    if not ci:
+    mid, half = center(s), log_half_width(s)
+    if half is None:
         return f"{mid:.{digits}f} (n={s['n']})"
-    half = max(math.log(ci[1] / mid), math.log(mid / ci[0]))
     return f"{mid:.{digits}f} (±{half:.1%}, n={s['n']})"
