@@ -137,7 +137,16 @@ def use_table(data: dict) -> Table | None:
          "weights once per ubatch and spends the machine's arithmetic. Decode multiplies them "
          "by one token: it reads every weight per token and leaves the arithmetic idle. "
          "Compute peak and streaming bandwidth: llama.cpp's own kernels for this model's "
-         "weight types, measured in this run."])
+         "weight types, measured in this run."] + ceiling_share_notes(
+            [_own_share(u) for u in rows]))
+
+
+def _own_share(u: dict) -> tuple[float | None, None, bool]:
+    """A phase's share of its own resource (prefill: compute, decode: bandwidth), and whether
+    its round-by-round interval lies wholly above 100%, for the notes shares above it owe."""
+    key = "compute_share" if u["phase"] == "prefill" else "stream_share"
+    ci = (u.get(f"{key}_ci") or {}).get("median_ci95")
+    return u[key], None, bool(ci and ci[0] > 1)
 
 
 def figures_table(data: dict) -> Table | None:
