@@ -280,6 +280,42 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> No
 
 
 @cli.command()
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("model", required=False)
+@click.option("--dtype", default="f32", show_default=True, help="Weight type, e.g. q4_0.")
+@click.option("--context", default=0, show_default=True, type=click.IntRange(0, 1 << 24),
+              help="Tokens already in the KV cache when decoding.")
+@click.option("--prompt", "n_prompt", default=512, show_default=True,
+              type=click.IntRange(1, 1 << 24), help="Prompt length of the prefill estimate.")
+@click.option("--threads", type=click.IntRange(1, 4096), default=None,
+              help="Thread count (default: the most the run measured).")
+@click.option("--hardware", default="this", show_default=True,
+              help="A name from --list-hardware.")
+@click.option("--list-hardware", is_flag=True, help="List the hardware names and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def estimate(run_dir: Path | None, model: str | None, dtype: str, context: int, n_prompt: int,
+             threads: int | None, hardware: str, list_hardware: bool, as_json: bool) -> None:
+    """Estimate decode and prefill of any model and weight type from a run's model of its
+    machine (or on reference hardware), or say why it cannot (it does not fit)."""
+    from .report.estimate import hardware_list, render_estimate, run_estimate
+
+    if list_hardware:
+        rows = hardware_list()
+        click.echo(json.dumps(rows, indent=1) if as_json else
+                   "\n".join(f"{r['name']:<18} {r['what']}" for r in rows))
+        return
+    if run_dir is None or model is None:
+        raise HarnessError("estimate needs a run and a model", key="RUN MODEL",
+                           fix="harness estimate RUN_DIR MODEL [--dtype q4_0]")
+    from .report.files import analysis_of, load_run
+
+    _, records = load_run(run_dir)
+    e = run_estimate(analysis_of(records), model, dtype.lower(), context, n_prompt, threads,
+                     hardware)
+    click.echo(json.dumps(e, indent=1, default=str) if as_json else render_estimate(e))
+
+
+@cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the markdown here instead of printing it.")

@@ -83,7 +83,8 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
         todo = [m for m in todo if m.model.key in files]
         threads = sorted({1} | {m.settings.threads for m in scenario.measurements})
         dtypes = sorted({t for types in files.values() for t in types[1]})
-        with _RunProber(writer, console, prober_factory, dtypes) as prober:
+        extras = _probe_extras(todo, scenario.seed, cache_dir, console)
+        with _RunProber(writer, console, prober_factory, dtypes, extras) as prober:
             prober.full("before", threads)
             for group in _groups(todo, writer, console):
                 _Rounds(group, writer, scenario, strict, files, prober, console).run()
@@ -98,12 +99,12 @@ class _RunProber:
     never guessed, and the run goes on."""
 
     def __init__(self, writer: RunWriter, console: Console, factory: ProberFactory | None,
-                 dtypes: list[str]) -> None:
+                 dtypes: list[str], extras: dict | None = None) -> None:
         self.writer, self.console, self.error = writer, console, None
         try:
             if factory is None:
                 from .engine.probe import Prober as factory
-            self.prober = factory(dtypes)
+            self.prober = factory(dtypes, extras)
         except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
             self.prober, self.error = None, f"{type(exc).__name__}: {exc}"
 
@@ -155,6 +156,33 @@ class _RunProber:
     def __exit__(self, *exc) -> None:
         if self.prober is not None:
             self.prober.close()
+
+
+def _probe_extras(todo: list[Measurement], seed: int, cache_dir: Path | None,
+                  console: Console) -> dict:
+    """What the full probes need beyond the weight types: the attention shapes of the run's
+    models, and per architecture the skeleton files that time a decode step's fixed cost."""
+    from .engine.probe import SKELETON_LAYERS, skeleton_spec
+
+    specs = {}
+    for m in todo:
+        try:
+            specs.setdefault(m.model.key, _spec_of(m.model))
+        except HarnessError:
+            continue  # a file the run cannot read a spec from: no extras for it
+    shapes = sorted({(s.head_dim, s.num_attention_heads, s.num_key_value_heads)
+                     for s in specs.values()})
+    skeletons: dict[str, dict[int, str]] = {}
+    for spec in specs.values():
+        if spec.architecture in skeletons:
+            continue
+        try:
+            skeletons[spec.architecture] = {
+                n: str(build(skeleton_spec(spec, n), DTYPES["f32"], seed,
+                             directory=cache_dir).path) for n in SKELETON_LAYERS}
+        except (HarnessError, OSError, ValueError) as exc:
+            console.warn(f"no fixed-cost skeleton for {spec.architecture} ({exc})")
+    return {"attention": [list(s) for s in shapes], "skeletons": skeletons}
 
 
 def _build_all(todo: list[Measurement], writer: RunWriter, seed: int, cache_dir: Path | None,

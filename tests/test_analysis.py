@@ -1,6 +1,6 @@
 import pytest
 
-from harness.analysis import ceilings, estimates
+from harness.analysis import ceilings
 from harness.analysis.phases import fit_through_origin, fit_verdicts
 from harness.core.costs import (
     decode_weight_n_bytes,
@@ -136,45 +136,6 @@ def test_above_ceiling_allows_the_ceilings_own_spread():
     assert not ceilings.above_ceiling(None, {"spread": None})
 
 
-def test_estimate_bands_use_the_real_file_where_the_run_has_it():
-    table = {"m": {"q4_0": 1e9, "f32": 4e9}}
-    models = {"m|q4_0": {"decode_weight_n_bytes": 1.25e9}}
-    fits = [{"fit": {"gb_s": 30.0, "n_points": 3}}]
-    p = estimates.predictions(fits, [], models, table)
-    here = {r["dtype"]: r for r in p["this_machine"]}
-    assert here["q4_0"]["bytes_from"] == "file" and here["q4_0"]["tok_s"] == pytest.approx(24)
-    assert here["f32"]["bytes_from"] == "nominal" and here["f32"]["tok_s"] == pytest.approx(7.5)
-    h100 = next(r for r in p["reference"] if r["hardware"].startswith("NVIDIA H100")
-                and r["dtype"] == "q4_0")
-    low, high, _ = estimates.BANDS["gpu"]
-    assert h100["tok_s_low"] == pytest.approx(3350 * low / 1.25)
-    assert h100["tok_s_high"] == pytest.approx(3350 * high / 1.25)
-    ddr = next(r for r in p["reference"] if r["class"] == "cpu" and r["dtype"] == "f32")
-    assert ddr["tok_s_low"] == pytest.approx(ddr["bandwidth_gb_s"] * 0.5 / 4)
-
-
-def test_workloads_match_threads_and_use_the_nearest_depth():
-    pre = [{"model": "m", "dtype": "f32", "threads": t, "n_gen": 0, "n_prompt": n,
-            "tok_s": {"n": 5, "median": rate}}
-           for t, n, rate in ((1, 128, 100.0), (2, 128, 200.0), (2, 4096, 150.0))]
-    dec = [{"model": "m", "dtype": "f32", "threads": t, "n_prompt": 0, "n_gen": 32,
-            "tok_s": {"n": 5, "median": rate}} for t, rate in ((1, 5.0), (2, 10.0))]
-    kv = [{"model": "m", "dtype": "f32", "threads": 2, "kv_type": "f16", "depth": 8192,
-           "n_gen": 32, "tok_s": {"n": 5, "median": 8.0}}]
-    rows = estimates.workload_balance(pre, dec, kv)
-    chat = next(r for r in rows if r["threads"] == 2 and r["workload"] == "chat")
-    assert chat["prefill_s"] == pytest.approx(500 / 200) and chat["prefill_rate_from"] == 128
-    assert chat["decode_s"] == pytest.approx(300 / 10.0) and not chat["extrapolated"]
-    rag = next(r for r in rows if r["threads"] == 2 and r["workload"] == "RAG, long context")
-    assert rag["prefill_rate_from"] == 4096 and rag["decode_s"] == pytest.approx(300 / 8.0)
-    assert "prefill rate of 4,096 tokens applied to 10,000" in rag["extrapolated"][0]
-    one = next(r for r in rows if r["threads"] == 1 and r["workload"] == "chat")
-    assert one["prefill_s"] == pytest.approx(5.0) and one["decode_s"] == pytest.approx(60.0)
-    long_form = next(r for r in rows if r["threads"] == 1
-                     and r["workload"] == "long-form generation")
-    assert any("decode rate at" in e for e in long_form["extrapolated"])
-
-
 def test_probe_structure_on_tiny_matrices():
     r = probe([1, 2], ["f32", "q4_0", "iq2_xxs"], 1 << 20, 5)
     assert r["array_n_bytes"] == 1 << 20 and r["passes"]["read"] == 5
@@ -262,3 +223,34 @@ def test_a_share_is_taken_against_the_probe_of_its_own_round_and_thread_count():
     # 10 tok/s x 1 GB against the median pass (0.99 x) of 10, 11, 12 GB/s at 1 thread
     expected = [10 / (0.99 * v) for v in (10.0, 11.0, 12.0)]
     assert share["n"] == 3 and share["per_round"] == pytest.approx(expected)
+
+
+def test_a_full_probe_times_attention_and_the_fixed_cost_skeletons(tmp_path):
+    from harness.engine.build import build
+    from harness.engine.probe import COMMON_DTYPES, Prober, skeleton_spec
+
+    spec = resolve_spec("tiny-qwen2")
+    paths = {n: str(build(skeleton_spec(spec, n), DTYPES["f32"], 0, directory=tmp_path).path)
+             for n in (1, 3)}
+    shape = [spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads]
+    with Prober(["f32"], {"attention": [shape], "skeletons": {"qwen2": paths}}) as p:
+        r = p.full([1], {"read": 5, "stream": 5, "compute": 5})
+    node = r["threads"]["1"]
+    assert set(COMMON_DTYPES) | {"f32"} <= set(node["ggml"])  # types the run did not use too
+    a = node["attention"]["x".join(map(str, shape))]
+    assert len(a["attention_samples_gflop_s"]) == 5 and a["attention_gflop_s"] > 0
+    fixed = node["fixed_cost"]["qwen2"]
+    assert set(fixed) == {"1", "3"}
+    assert all(len(v["samples_seconds"]) == 5 and v["seconds"] > 0 for v in fixed.values())
+
+
+def test_a_skeleton_keeps_the_graph_and_drops_the_bytes():
+    from harness.engine.probe import skeleton_spec
+
+    moe = resolve_spec("olmoe-1b-7b")
+    s = skeleton_spec(moe, 4)
+    assert (s.architecture, s.num_hidden_layers, s.num_experts, s.num_experts_per_tok) == (
+        moe.architecture, 4, moe.num_experts, moe.num_experts_per_tok)
+    assert s.hidden_size == 64 and s.vocab_size == 512 and s.source is None
+    gqa = skeleton_spec(resolve_spec("qwen2.5-0.5b"), 2)
+    assert gqa.num_key_value_heads < gqa.num_attention_heads  # grouped attention kept

@@ -178,3 +178,43 @@ def test_import_maps_gemma3_text_and_keeps_its_window_but_not_qwen2s(run_cli, tm
     assert run_cli("models", "import", str(HF / "qwen2-0.5b-config.json"), "-o", str(out2)
                    ).exit_code == 0
     assert load_spec_file(out2).sliding_window is None  # Qwen2 does not use its window
+
+
+RUN = FIXTURES / "runs" / "tiny_lesson"
+
+
+def test_estimate_json_for_a_spec_the_run_never_measured(run_cli):
+    r = run_cli("estimate", str(RUN), "tiny-qwen2", "--dtype", "q4_0", "--context", "64",
+                "--json")
+    assert r.exit_code == 0, r.stderr
+    e = json.loads(r.stdout)
+    assert {"model", "dtype", "decode_tok_s", "decode_tok_s_ci95", "fits_in_memory",
+            "prefill_tok_s", "prefill_tok_s_ci95", "n_prompt"} <= set(e)
+    assert e["model"] == "tiny-qwen2" and e["dtype"] == "q4_0" and e["fits_in_memory"]
+    assert e["decode_tok_s"] > 0 and e["context"] == 64 and e["estimate"] is True
+    assert "streaming ceiling" in e["decode_gb_s_from"]  # the run decoded no q4_0
+    text = run_cli("estimate", str(RUN), "tiny-qwen2", "--dtype", "q4_0").stdout
+    assert "estimated" in text and "decode at 0 cached tokens" in text
+
+
+def test_estimate_says_a_model_does_not_fit_and_lists_hardware(run_cli):
+    e = json.loads(run_cli("estimate", str(RUN), "mixtral-8x7b", "--json").stdout)
+    assert e["fits_in_memory"] is False and e["decode_tok_s"] is None
+    assert "does not fit in memory" in e["why"]
+    names = [h["name"] for h in json.loads(run_cli("estimate", "--list-hardware",
+                                                   "--json").stdout)]
+    assert names[0] == "this" and "nvidia-rtx-4090" in names
+    gpu = json.loads(run_cli("estimate", str(RUN), "llama-3.1-8b", "--dtype", "q8_0",
+                             "--hardware", "nvidia-rtx-4090", "--json").stdout)
+    assert gpu["fits_in_memory"] and gpu["decode_tok_s"] > 0 and "PR #4766" in gpu["source"]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["estimate", str(RUN), "tiny-qwen2", "--hardware", "tpu"],
+     ["--hardware", "unknown hardware 'tpu'", "nvidia-rtx-4090"]),
+    (["estimate", str(RUN), "nope"], ["unknown model 'nope'"]),
+    (["estimate", str(RUN), "tiny-qwen2", "--dtype", "q9"], ["--dtype", "unknown dtype"]),
+    (["estimate", str(RUN)], ["estimate needs a run and a model"]),
+])
+def test_estimate_bad_input_is_one_line(run_cli, args, needles):
+    assert_user_error(run_cli(*args), *needles)

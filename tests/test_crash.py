@@ -184,9 +184,11 @@ def _tiny_scenario(tmp_path: Path, models: str = "[tiny-llama, tiny-qwen2]") -> 
 def test_a_decode_error_names_model_and_step_and_the_run_goes_on(tmp_path, run_cli,
                                                                   monkeypatch):
     import harness.engine.llama
+    import harness.engine.probe
 
     real = harness.engine.llama.L.llama_decode
     seen = {"failed": 0}
+    monkeypatch.setattr(harness.engine.probe, "SKELETON_LAYERS", ())  # no skeleton decodes
 
     def failing(ctx, batch):
         # the first single-token decode of the run fails, whichever cell the shuffle put first

@@ -234,3 +234,37 @@ def test_stability_finds_two_regimes_and_disturbed_rounds():
     assert fast["median_gb_s"] == pytest.approx(49.0, rel=1e-3) and fast["share"] == 0.4
     steady = stability([{"samples": {"read_gb_s": [[30.0, 31.0]] * 10}}], [], 0.1)
     assert "regimes" not in steady
+
+
+def test_no_table_of_the_lesson_page_is_wider_than_eight_columns():
+    _, text, _ = _lesson_page()
+    headers = [line for i, line in enumerate(text.splitlines()[:-1])
+               if line.startswith("|") and text.splitlines()[i + 1].startswith("|---")]
+    assert headers
+    for header in headers:
+        assert header.count("|") - 1 <= 8, header
+    import re
+
+    spans = [span for line in text.splitlines() if line.startswith("|")
+             for span in re.findall(r"`[^`]*`", line)]
+    assert all("|" not in span for span in spans), spans  # a | ends a GitHub table cell
+    assert "SSE3 = 1, SSSE3 = 1" in text  # llama.cpp's system line, its | as commas
+
+
+def test_the_lesson_decides_workload_balance_from_the_run():
+    records, text, _ = _lesson_page()
+    from harness.core.reference import reference_from_header
+    from harness.report.files import analysis_of
+    from harness.report.lesson import lesson_data
+
+    data = lesson_data(records, analysis_of(records), reference_from_header(records.header))
+    claim = next(c for c in data["claims"] if c["claim"].startswith("chat is decode"))
+    rows = {w["workload"]: w for w in data["analysis"]["workloads"]
+            if w["model"] == "tiny-llama" and w["dtype"] == "f32"}
+    assert f"classification {rows['classification']['prefill_share']:.0%} prefill" in \
+        claim["measured"]
+    parts = {p["what"]: p for p in claim["contrasts"]}
+    assert parts["classification prefill share"]["low"] == 0.5
+    assert parts["chat prefill share"]["high"] == 0.5
+    assert claim["verdict"] in ("holds", "does not hold", "undecided")
+    assert "## Where the time goes in typical requests" in text

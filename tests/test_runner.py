@@ -111,7 +111,7 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
     fast_noise(monkeypatch)
 
     class Broken:
-        def __init__(self, dtypes):
+        def __init__(self, dtypes, extras=None):
             pass
 
         def full(self, threads):

@@ -118,7 +118,7 @@ def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> 
         rows.append({
             "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
             "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "seconds": seconds,
-            "n_ubatch": m.get("n_ubatch", 512),
+            "n_ubatch": m.get("n_ubatch", 512), "flash_attn_used": m.get("flash_attn_used"),
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
             "share_of_peak": share, "share_of_peak_ci": by_round, "flags": flags,
             "noise": m.get("noise"),

@@ -160,9 +160,17 @@ def prefill_flops(spec: ModelSpec, n_prompt: int) -> float:
     the attention sum over a prompt is 4 x layers x q_dim x n(n+1)/2. The output layer runs for
     the last token only (llama.cpp computes logits for it alone): 2 x hidden x vocab once.
     """
-    attention = 4 * spec.num_hidden_layers * spec.q_dim * n_prompt * (n_prompt + 1) / 2
     lm_head = 2 * spec.hidden_size * spec.vocab_size
-    return 2 * matmul_params_per_token(spec) * n_prompt + attention + lm_head
+    return (2 * matmul_params_per_token(spec) * n_prompt + attention_flops(spec, n_prompt)
+            + lm_head)
+
+
+def attention_flops(spec: ModelSpec, n_prompt: int, n_past: int = 0) -> float:
+    """The attention part of prefill_flops: QK^T and AV, 2 x q_dim FLOPs each per pair of a
+    prompt token and a position it attends to (causal: token t of the prompt sees n_past + t
+    positions, itself included)."""
+    pairs = n_prompt * n_past + n_prompt * (n_prompt + 1) / 2
+    return 4 * spec.num_hidden_layers * spec.q_dim * pairs
 
 
 def mean_decode_context(n_prompt: int, n_gen: int) -> float:

@@ -45,6 +45,10 @@ CLAIM_TESTS = {
                                 "steps"),
     "share_of_plain_memory": ({"low": ("float", 0.5), "high": ("float", 0.8)},
                               "decode's effective bandwidth between low and high × numpy copy"),
+    "workload_balance": ({"prefill_bound": ("str", "classification; rag, long context"),
+                          "decode_bound": ("str", "chat; long-form generation")},
+                         "each workload named in prefill_bound (decode_bound) spends more "
+                         "(less) than half its time in prefill, interval included"),
 }
 _TOP = ["source", "hardware", "cores", "memory_gb_s", "figures", "claims"]
 
@@ -340,7 +344,38 @@ def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
                          + _undecided(out)}
 
 
-CHECKS = {"decode_follows_bytes": _decode_follows_bytes,
+def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
+    """Each named workload's prefill share of its time on the run's main configuration (the
+    first model and type decoded, at the most threads), above or below one half."""
+    rows = analysis.get("workloads") or []
+    if not rows:
+        return _not_measured("no workload rows: the run needs prefill and decode of one model")
+    threads = max(r["threads"] for r in rows)
+    key = next((r["model"], r["dtype"]) for r in rows if r["threads"] == threads)
+    main = {r["workload"].lower(): r for r in rows if (r["model"], r["dtype"]) == key
+            and r["threads"] == threads}
+    parts, text, missing = [], [], []
+    for side, names in (("prefill", claim["prefill_bound"]), ("decode", claim["decode_bound"])):
+        for name in (n.strip() for n in names.split(";") if n.strip()):
+            row = main.get(name)
+            if row is None:
+                missing.append(name)
+                continue
+            share = {"n": 1, "median": row["prefill_share"],
+                     "median_ci95": row.get("prefill_share_ci")}
+            parts.append((f"{row['workload']} prefill share", share,
+                          0.5 if side == "prefill" else None, 0.5 if side == "decode" else None))
+            text.append(f"{row['workload']} {row['prefill_share']:.0%} prefill"
+                        + (" (modelled)" if row.get("modelled") else ""))
+    if missing:
+        return _not_measured("no workload named " + ", ".join(missing))
+    out = _verdict(parts)
+    plural = "s" if threads != 1 else ""
+    return out | {"measured": "; ".join(text) + f" ({key[0]} {key[1]}, {threads} thread{plural})",
+                  "why": "each share on the named side of 50% with its interval"}
+
+
+CHECKS = {"decode_follows_bytes": _decode_follows_bytes, "workload_balance": _workload_balance,
           "prefill_compute_decode_memory": _phase_shares,
           "quant_helps_decode_not_prefill": _quant, "batching_gain": _batching,
           "long_prompt_first_token": _long_prompt, "share_of_plain_memory": _plain_memory}

@@ -437,7 +437,10 @@ _GGML_SIGNATURES = {
     "ggml_tensor_overhead": (_SZ, []),
     "ggml_graph_overhead": (_SZ, []),
     "ggml_new_tensor_2d": (_P, [_P, ctypes.c_int, _I64, _I64]),
+    "ggml_new_tensor_3d": (_P, [_P, ctypes.c_int, _I64, _I64, _I64]),
     "ggml_mul_mat": (_P, [_P, _P, _P]),
+    "ggml_flash_attn_ext": (_P, [_P, _P, _P, _P, _P, ctypes.c_float, ctypes.c_float,
+                                 ctypes.c_float]),
     "ggml_new_graph": (_P, [_P]),
     "ggml_build_forward_expand": (None, [_P, _P]),
     "ggml_nbytes": (_SZ, [_P]),
@@ -462,6 +465,7 @@ _GGML_SIGNATURES = {
 NO_PROBE_TYPES = ("Q8_1", "Q8_K", "F64", "I8", "I16", "I32", "I64")
 _GGML_DEVICE_CPU = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 _GGML_F32 = 0
+_GGML_F16 = 1
 _REPACK_BUFT = "CPU_REPACK"  # llama.cpp puts Q4_0, Q4_K, IQ4_NL, ... weights here at load
 
 
@@ -512,6 +516,8 @@ class KernelProbe:
     N_COLS = 4096  # a multiple of every block size (32 and the K-quants' 256)
     COMPUTE_ROWS = 1024
     COMPUTE_COLUMNS = 512
+    # (queries, cached positions they attend to): a prefill ubatch, a decode step
+    ATTENTION_SHAPES = {"prefill": (512, 2048), "decode": (1, 4096)}
 
     def __init__(self, stream_n_bytes: int) -> None:
         _init()
@@ -565,6 +571,18 @@ class KernelProbe:
         return {"samples_gflop_s": [mm.flops / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
 
+    def attention(self, shape: tuple[int, int, int], n_threads: int, passes: int,
+                  phase: str = "prefill") -> dict:
+        """ggml's flash-attention kernel at one model's attention shape (head_dim, heads, KV
+        heads) against an F16 K/V cache, unmasked: prefill, one ubatch of queries; decode,
+        one query (a step of one layer) against a long cache. GFLOP/s = 4 x head_dim x heads
+        x queries x keys (QK^T and the weighted sum of V)."""
+        n_q, n_kv = self.ATTENTION_SHAPES[phase]
+        mm = self._attention(shape, n_q, n_kv)
+        seconds = self._run(mm, n_threads, passes)
+        return {"samples_gflop_s": [mm.flops / s / 1e9 for s in seconds],
+                "n_queries": n_q, "n_keys": n_kv}
+
     def layout(self, type_name: str) -> str:
         """The buffer type weights of this type live in: CPU_REPACK or CPU."""
         return self._matmul(type_name, "stream").layout
@@ -599,6 +617,33 @@ class KernelProbe:
                 stream_rows = max(self.stream_n_bytes // row // 64, 1) * 64
                 rows, columns = min(self.COMPUTE_ROWS, stream_rows), self.COMPUTE_COLUMNS
             self._cache[key] = self._build(type_id, rows, columns)
+        return self._cache[key]
+
+    def _attention(self, shape: tuple[int, int, int], n_q: int, n_kv: int) -> _MatMul:
+        key = ("attention", "x".join(map(str, (*shape, n_q, n_kv))))
+        if key not in self._cache:
+            g, (head_dim, n_head, n_kv_head) = self.g, shape
+            ctx = g.ggml_init(_GgmlInitParams(8 * g.ggml_tensor_overhead()
+                                              + g.ggml_graph_overhead(), None, True))
+            q = g.ggml_new_tensor_3d(ctx, _GGML_F32, head_dim, n_q, n_head)
+            k = g.ggml_new_tensor_3d(ctx, _GGML_F16, head_dim, n_kv, n_kv_head)
+            v = g.ggml_new_tensor_3d(ctx, _GGML_F16, head_dim, n_kv, n_kv_head)
+            out = g.ggml_flash_attn_ext(ctx, q, k, v, None, head_dim ** -0.5, 0.0, 0.0)
+            buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.cpu_buft)
+            mm = _MatMul(out, 0, 4.0 * head_dim * n_head * n_q * n_kv, "CPU",
+                         [(g.ggml_free, ctx), (g.ggml_backend_buffer_free, buf)])
+            if not buf:
+                self._free(mm)
+                raise MemoryError("ggml could not allocate the attention probe")
+            rng = np.random.default_rng(2)
+            for t, n in ((q, head_dim * n_q * n_head), (k, head_dim * n_kv * n_kv_head),
+                         (v, head_dim * n_kv * n_kv_head)):
+                x = rng.standard_normal(n, dtype=np.float32)
+                x = x if t == q else x.astype(np.float16)
+                g.ggml_backend_tensor_set(t, x.ctypes.data, 0, x.nbytes)
+            mm.graph = g.ggml_new_graph(ctx)
+            g.ggml_build_forward_expand(mm.graph, out)
+            self._cache[key] = mm
         return self._cache[key]
 
     def _build(self, type_id: int, n_rows: int, n_columns: int) -> _MatMul:

@@ -12,8 +12,11 @@ times a 512-column activation.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +29,12 @@ MIN_PASSES = 5
 FULL = {"read": 7, "stream": 7, "compute": 5}
 # Beside a measurement: a few hundred ms, only what the next cell needs.
 BESIDE = {"read": 3, "stream": 3, "compute": 2}
+# Probed in every full probe besides the run's own types, so that an estimate for a type the
+# run did not measure still has a yardstick (harness estimate).
+COMMON_DTYPES = ("f16", "q8_0", "q4_0", "q4_k", "q6_k")
+# Layer counts of the skeletons that time a decode step's fixed cost (two points of a line).
+SKELETON_LAYERS = (1, 32)
+SKELETON_PROMPT, SKELETON_STEPS = 16, 32
 
 
 def _env_mib() -> int | None:
@@ -155,14 +164,57 @@ class PageReader:
         return a.nbytes / seconds / 1e9
 
 
+def skeleton_spec(spec, n_layers: int):
+    """A spec's graph at negligible bytes: its architecture, its kind of attention and experts
+    and n_layers layers, every width tiny, so a decode step's time is the time that does not
+    scale with bytes (graph build, one synchronization per node, sampling's logits)."""
+    experts = {}
+    if spec.is_moe:
+        experts = {"moe_intermediate_size": 32 if spec.moe_intermediate_size else None,
+                   "shared_expert_intermediate_size":
+                       32 if spec.shared_expert_intermediate_size else None}
+    grouped = spec.num_key_value_heads < spec.num_attention_heads
+    return replace(spec, name=f"skeleton-{spec.architecture}-{n_layers}", source=None,
+                   hidden_size=64, num_hidden_layers=n_layers, num_attention_heads=2,
+                   num_key_value_heads=1 if grouped else 2, head_dim=32,
+                   intermediate_size=32 if spec.is_moe else 128, vocab_size=512, **experts)
+
+
+def skeleton_seconds(path: Path, n_threads: int, passes: int) -> list[float]:
+    """Seconds per decode step of a skeleton: the median step of each pass (16 prompt tokens,
+    32 steps), after one untimed pass."""
+    from .llama import Context, ContextParams, Model
+
+    rng = np.random.default_rng(3)
+    out = []
+    with Model(path) as model:
+        ctx = Context(model, ContextParams(n_ctx=256, n_batch=512, n_ubatch=512,
+                                           n_threads=n_threads))
+        try:
+            high = ctx.n_vocab
+            for i in range(passes + 1):
+                ctx.clear()
+                ctx.prefill(rng.integers(1, high, SKELETON_PROMPT).tolist())
+                steps = ctx.decode(rng.integers(1, high, SKELETON_STEPS).tolist())
+                if i:
+                    out.append(statistics.median(steps))
+        finally:
+            ctx.close()
+    return out
+
+
 class Prober:
     """The ceilings of one run: the full set at its ends, a short probe beside every
-    measurement. Holds the probe matrices so a probe beside a measurement costs no set-up."""
+    measurement. Holds the probe matrices so a probe beside a measurement costs no set-up.
+    extras: "attention", the (head_dim, heads, KV heads) shapes to probe flash attention at;
+    "skeletons", {architecture: {layers: GGUF path}} whose decode steps time the fixed cost."""
 
-    def __init__(self, dtypes: list[str], array_n_bytes: int | None = None) -> None:
+    def __init__(self, dtypes: list[str], extras: dict | None = None,
+                 array_n_bytes: int | None = None) -> None:
         from .llama import KernelProbe
 
-        self.dtypes = sorted(set(dtypes))
+        self.extras = extras or {}
+        self.dtypes = sorted(set(dtypes) | set(COMMON_DTYPES))
         self.array_n_bytes, self.notes = plan_array_n_bytes(array_n_bytes)
         stream_n_bytes, notes = plan_stream_n_bytes(len(self.dtypes))
         self.notes += notes
@@ -179,7 +231,10 @@ class Prober:
         results = {}
         for n in sorted(set(thread_counts)):
             results[str(n)] = _bandwidth(n, src, dst, passes["read"]) | {
-                "ggml": _kernels(self.kernels, n, self.dtypes, passes, ("stream", "compute"))}
+                "ggml": _kernels(self.kernels, n, self.dtypes, passes, ("stream", "compute")),
+                "attention": self._attention(n, passes["compute"], "prefill"),
+                "decode_attention": self._attention(n, passes["compute"], "decode"),
+                "fixed_cost": self._fixed_cost(n, passes["compute"])}
         del src, dst
         return {"array_n_bytes": self.array_n_bytes, "passes": passes, "notes": self.notes,
                 "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": self.dtypes,
@@ -195,6 +250,37 @@ class Prober:
         return {"array_n_bytes": self._read_array.nbytes, "passes": BESIDE,
                 "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": sorted(set(dtypes)),
                 "threads": {str(n_threads): result}, "seconds": time.perf_counter() - start}
+
+    def _attention(self, n_threads: int, passes: int, phase: str) -> dict:
+        """Flash attention's GFLOP/s at each shape, a prefill ubatch or a decode step; a shape
+        ggml cannot run keeps its reason."""
+        out = {}
+        for shape in sorted(set(map(tuple, self.extras.get("attention", [])))):
+            name = "x".join(map(str, shape))
+            try:
+                # a decode step's op takes milliseconds: more passes for the same confidence
+                a = self.kernels.attention(shape, n_threads,
+                                           3 * passes if phase == "decode" else passes, phase)
+                out[name] = {"attention_gflop_s": max(a["samples_gflop_s"]),
+                             "attention_samples_gflop_s": a["samples_gflop_s"],
+                             "n_queries": a["n_queries"], "n_keys": a["n_keys"]}
+            except (MeasurementError, MemoryError) as exc:
+                out[name] = {"error": str(exc)}
+        return out
+
+    def _fixed_cost(self, n_threads: int, passes: int) -> dict:
+        """Seconds per decode step of each architecture's skeletons, by layer count."""
+        out: dict = {}
+        for arch, paths in sorted(self.extras.get("skeletons", {}).items()):
+            entry = out.setdefault(arch, {})
+            for layers, path in sorted(paths.items()):
+                try:
+                    samples = skeleton_seconds(Path(path), n_threads, passes)
+                    entry[str(layers)] = {"seconds": statistics.median(samples),
+                                          "samples_seconds": samples}
+                except (MeasurementError, MemoryError, OSError) as exc:
+                    entry[str(layers)] = {"error": str(exc)}
+        return out
 
     def layout(self, dtype: str) -> str | None:
         """Where llama.cpp keeps weights of this type at load (CPU_REPACK or CPU)."""
@@ -229,5 +315,5 @@ def probe(thread_counts: list[int], dtypes: list[str] | None = None,
           array_n_bytes: int | None = None, passes: int = 7) -> dict:
     """The full set of ceilings at each thread count; raw samples kept, best-of reported."""
     n = max(passes, MIN_PASSES)
-    with Prober(dtypes or ["f32"], array_n_bytes) as prober:
+    with Prober(dtypes or ["f32"], array_n_bytes=array_n_bytes) as prober:
         return prober.full(thread_counts, {"read": n, "stream": n, "compute": n})

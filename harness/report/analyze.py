@@ -4,8 +4,9 @@ in the registry. Recomputed whenever a report is rendered from stored records.""
 from __future__ import annotations
 
 from ..analysis.ceilings import round_rates
-from ..analysis.estimates import moe_names, prediction_table, predictions, workload_balance
+from ..analysis.estimates import predictions, workload_balance
 from ..analysis.machine import ceilings_summary, probe_errors, stability
+from ..analysis.model import machine_model
 from ..analysis.phases import (
     decode_rows,
     fit_verdicts,
@@ -14,30 +15,34 @@ from ..analysis.phases import (
     prompt_contrasts,
 )
 from ..core.errors import HarnessError
-from ..core.specs import all_specs
+from ..core.specs import ModelSpec, all_specs
 from ..core.stats import machine_drift
 from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 12
+ANALYSIS_VERSION = 13
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],
-            table: dict[str, dict[str, float]], rounds: list[dict] | None = None,
-            noisy_cores: float = 0.10, moe: list[str] | None = None) -> dict:
+            specs: dict | None = None, rounds: list[dict] | None = None,
+            noisy_cores: float = 0.10, ram_bytes: int | None = None) -> dict:
     """Everything the rule-of-thumb section of a report shows."""
     decode = decode_rows(measurements, models, probes)
     prefill = prefill_rows(measurements, models, probes)
     fits = fit_verdicts(decode)
     levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
+    mm = machine_model(decode, prefill, models, probes, ram_bytes)
+    run_models = list(dict.fromkeys(m["model"] for m in measurements))
+    run_dtypes = list(dict.fromkeys(m["dtype"] for m in measurements))
     out = levers | {
         "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
         "probe_errors": probe_errors(probes),
         "decode": decode, "fits": fits, "prefill": prefill,
         "prompt_lengths": prompt_contrasts(prefill),
-        "predictions": predictions(fits, decode, models, table, moe),
-        "workloads": workload_balance(prefill, decode, levers.get("kv_depth", [])),
+        "machine_model": mm,
+        "predictions": predictions(mm, specs or {}, run_models, run_dtypes),
+        "workloads": workload_balance(prefill, decode, levers.get("kv_depth", []), mm),
         "stability": stability(measurements, rounds or [], noisy_cores),
         "phase_use": phase_use(decode, prefill, models),
         "machine_drift": machine_drift([round_rates(m, "decode" if m.get("decode_tok_s")
@@ -70,12 +75,16 @@ def collect_contrasts(node, found: dict | None = None) -> list[dict]:
 def analyze_records(records) -> dict:
     """The analysis of whatever a results file holds (complete or not)."""
     try:
-        specs = all_specs()
-        table, moe = prediction_table(specs), moe_names(specs)
+        specs = {name: spec for name, spec in all_specs().items() if spec.source}
     except HarnessError:
-        table, moe = {}, []
+        specs = {}
+    for model in records.models.values():  # the run's own specs (a given file's included)
+        if model.get("spec"):
+            specs.setdefault(model["model"], ModelSpec(**model["spec"]))
+    env = (records.header or {}).get("env") or {}
     return analyze(with_ram_groups(records.measurements, records.other), records.models,
-                   records.probes, table, records.rounds, NOISY_CORES, moe)
+                   records.probes, specs, records.rounds, NOISY_CORES,
+                   env.get("ram_total_bytes"))
 
 
 def with_ram_groups(measurements: list[dict], other: list[dict]) -> list[dict]:

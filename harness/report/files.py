@@ -50,7 +50,7 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
         from .plots import write_plots
 
         try:
-            plots = write_plots(records.measurements, analysis, out.parent)
+            plots = write_plots(records.measurements, analysis, out.parent, reference)
         except OSError as exc:
             raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent),
                                fix="choose a writable place with -o, or free some disk"

@@ -31,7 +31,8 @@ def findings(data: dict) -> list[str]:
     out = []
     if main:
         out += _two_phases(a, main)
-    out += _size_finding(a) + _experts_finding(a) + _use_finding(a) + _long_prompt_finding(a, main)
+    out += _size_finding(a) + _model_finding(a) + _experts_finding(a) + _use_finding(a)
+    out += _long_prompt_finding(a, main)
     out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
     out += _prefix_finding(a)
     out += drift_finding(a)
@@ -164,7 +165,41 @@ def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
               f"{'round by round' if c.get('paired') else 'unpaired'}" if c else "")
     return [f"A {long['n_prompt']:,}-token prompt to {main[0]} took {long['seconds']:.1f} s "
             f"before its first token ({center(long['tok_s']):.0f} tok/s, against "
-            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens{paired})."]
+            f"{center(short['tok_s']):.0f} tok/s at {short['n_prompt']} tokens{paired})"
+            + _attention_clause(a, long) + "."]
+
+
+def _attention_clause(a: dict, long: dict) -> str:
+    """Why a long prompt is slower per token, from the run's prefill model."""
+    for p in (a.get("machine_model") or {}).get("prefill") or []:
+        for pt in p["points"]:
+            if pt["id"] == long["id"] and pt["n_prompt"] > p["calibrated_at"]:
+                return (f": attention is {pt['attention_flop_share']:.0%} of its FLOPs but "
+                        f"{pt['attention_time_share']:.0%} of the time the model predicts, "
+                        f"flash attention running at {p['attention_gflop_s']:.0f} GFLOP/s "
+                        f"against {p['matmul_gflop_s']:.0f} for the matrices (measured ÷ "
+                        f"predicted {pt['measured_over_predicted']:.2f})")
+    return ""
+
+
+def _model_finding(a: dict) -> list[str]:
+    """The decode model per weight type: its fixed cost and achieved bandwidth."""
+    parts = []
+    for d in (a.get("machine_model") or {}).get("decode") or []:
+        if not d.get("gb_s"):
+            continue
+        fixed = max(d["fixed_s"].values()) * 1e3
+        share = (f", {d['share_of_stream']:.0%} of its streaming ceiling"
+                 if d.get("share_of_stream") else "")
+        ci = d["gb_s"].get("median_ci95")
+        parts.append(f"{d['dtype'].upper()} {center(d['gb_s']):.1f}"
+                     + (f" [{ci[0]:.1f}–{ci[1]:.1f}]" if ci else "") + f" GB/s{share}")
+        last_fixed = fixed
+    if not parts:
+        return []
+    return ["Per weight type, decode ran at " + "; ".join(parts) + " once the fixed cost of "
+            f"a step (up to {last_fixed:.2f} ms here, timed on skeletons of the same layers) is "
+            "taken out: the run's model of its machine, which the estimates below use."]
 
 
 def _quant_finding(a: dict) -> list[str]:

@@ -14,19 +14,25 @@ from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 from .findings import findings, main_model, rows_of
 from .page import (
     ceilings_table,
+    decode_model_table,
     env_lines,
     estimates_table,
     method_text,
+    prefill_model_table,
     read_share_notes,
     repetitions_table,
     round_fit_lines,
     share_summary,
+    workloads_table,
 )
 
 PLOT_CAPTIONS = {
-    "decode_vs_bytes": "Decode tok/s against GB read per token, with the fitted bandwidth",
+    "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
+                       "each weight type as a line, the course's points hollow",
     "prefill_vs_prompt": "Prefill and decode time per token against prompt length",
     "decode_per_token": "Every decode step's time, repetition by repetition (diagnostic)",
+    "quant_speedup": "Decode and prefill speed of each weight type against F32",
+    "batching": "Aggregate and per-sequence decode tok/s against the number of sequences",
 }
 
 
@@ -81,7 +87,7 @@ def size_table(data: dict) -> Table | None:
     ids = {i for f in a["fits"] for i in f.get("ids") or []} or {
         r["id"] for r in a["decode"] if r["dtype"] == "f32"}
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
-             "params": (_model_params(data, r)), "gib": r["file_bytes_per_token"],
+             "gib": r["file_bytes_per_token"],
              "gb": r["bytes_per_token"], "tok_s": r["tok_s"], "ms": inverse(r["tok_s"]),
              "gb_s": r["effective_gb_s"],
              "stream": share_summary(r["share_of_stream"], r.get("share_of_stream_ci")),
@@ -95,7 +101,8 @@ def size_table(data: dict) -> Table | None:
              "and the KV cache). effective GB/s = tok/s × GB read per token. The yardstick is "
              "the streaming ceiling (llama.cpp's own matrix-vector kernel on this machine, "
              "probed before every round), the share taken round by round with its 95% "
-             "interval; numpy's plain memory read beside it is a diagnostic, not a ceiling."]
+             "interval; numpy's plain memory read (the appendix) is a diagnostic, not a "
+             "ceiling."]
     notes += read_share_notes([r for r in a["decode"] if r["id"] in ids])
     notes += [f"- {threads_label(f['threads'])}: tok/s ≈ {f['fit']['gb_s']:.1f} GB/s ÷ GB read per "
               f"token ({f['fit']['n_points']} "
@@ -108,18 +115,11 @@ def size_table(data: dict) -> Table | None:
                                    "above-ceiling" in r["flags"])
                                   for r in a["decode"] if r["id"] in ids])
     return Table("size", "Decode against model size", [
-        Column("model", "model"), Column("parameters", "params", "int"),
-        Column("size (GiB)", "gib", "gib"), Column("read per token (GB)", "gb", "gb"),
-        Column("tok/s", "tok_s", "stat"), Column("ms/token", "ms", "stat1"),
-        Column("effective GB/s", "gb_s", "f1"), Column("share of streaming ceiling",
-                                                        "stream", "pctci"),
-        Column("share of numpy read (diagnostic)", "read", "pct"), Column("flags", "flags")],
+        Column("model", "model"), Column("size (GiB)", "gib", "gib"),
+        Column("read per token (GB)", "gb", "gb"), Column("tok/s", "tok_s", "stat"),
+        Column("ms/token", "ms", "stat1"), Column("effective GB/s", "gb_s", "f1"),
+        Column("share of streaming ceiling", "stream", "pctci"), Column("flags", "flags")],
         rows, notes)
-
-
-def _model_params(data: dict, row: dict) -> int | None:
-    m = next((m for m in data["measurements"] if m["id"] == row["id"]), None)
-    return m["n_params"] if m else None
 
 
 def use_table(data: dict) -> Table | None:
@@ -163,28 +163,102 @@ def figures_table(data: dict) -> Table | None:
 
 
 def _figure_row(f: dict, a: dict, env: dict, ref: dict) -> dict:
-    cores = env.get("physical_cores")
     if "prompt" in f:
-        rows = [r for r in a["prefill"] if r["model"] == f["model"] and r["dtype"] ==
-                f["dtype"] and r["n_gen"] == 0 and r["n_prompt"] == f["prompt"]]
-        published = f.get("prefill_tok_s") or f["prompt"] / f["prefill_s"]
-        measured = center(rows[0]["tok_s"]) if rows else None
-        why = (f"compute-bound: {cores} cores here, {ref['cores']} there" if ref.get("cores")
-               else "compute-bound: depends on cores and their SIMD")
-        return {"model": f["model"], "what": f"prefill {f['prompt']:,} tokens (tok/s)",
-                "published": f"{published:.0f}", "measured": f"{measured:.0f}" if measured
-                else "not measured", "ratio": measured / published if measured else None,
-                "why": why}
+        return _prefill_figure(f, a, ref)
     rows = [r for r in a["decode"] if r["model"] == f["model"] and r["dtype"] == f["dtype"]]
     published = f.get("decode_tok_s") or 1000 / f["ms_per_token"]
     measured = center(rows[0]["tok_s"]) if rows else None
-    copy = (rows[0].get("copy_ceiling") or {}).get("value") if rows else None
-    why = "memory-bound: "
-    why += (f"numpy copy {copy:.0f} GB/s here, {ref['memory_gb_s']:.0f} GB/s there"
-            if copy and ref.get("memory_gb_s") else "depends on memory bandwidth")
     return {"model": f["model"], "what": "decode (tok/s)", "published": f"{published:.2f}",
             "measured": f"{measured:.2f}" if measured else "not measured",
-            "ratio": measured / published if measured else None, "why": why}
+            "ratio": measured / published if measured else None,
+            "why": _decode_why(f, rows[0], ref, measured / published) if rows else "–"}
+
+
+def _prefill_figure(f: dict, a: dict, ref: dict) -> dict:
+    """A published prefill in its own units (seconds) beside tok/s, and why they differ: the
+    compute per core here and there, and the long prompt's slowdown against the model's."""
+    rows = [r for r in a["prefill"] if r["model"] == f["model"] and r["dtype"] == f["dtype"]
+            and r["n_gen"] == 0 and r["n_prompt"] == f["prompt"]]
+    published = f.get("prefill_tok_s") or f["prompt"] / f["prefill_s"]
+    published_s = f.get("prefill_s") or f["prompt"] / published
+    out = {"model": f["model"], "what": f"prefill {f['prompt']:,} tokens",
+           "published": f"{published_s:.2f} s ({published:.0f} tok/s)",
+           "measured": "not measured", "ratio": None, "why": "–"}
+    if not rows:
+        return out
+    r = rows[0]
+    measured = center(r["tok_s"])
+    out |= {"measured": f"{r['seconds']:.2f} s ({measured:.0f} tok/s)",
+            "ratio": measured / published}
+    why = []
+    if ref.get("cores"):
+        here = r["gflop_s"] / r["threads"]
+        there = published * r["flops"] / r["n_prompt"] / 1e9 / ref["cores"]
+        why.append(f"compute: {here:.0f} GFLOP/s per thread here ({r['threads']}), "
+                   f"{there:.0f} per core implied there ({ref['cores']}): {here / there:.2f}× "
+                   f"per core × {r['threads']}/{ref['cores']} cores = "
+                   f"{here / there * r['threads'] / ref['cores']:.2f}×")
+    why += _slowdown_why(f, r, a, ref)
+    return out | {"why": "; ".join(why) or "–"}
+
+
+def _slowdown_why(f: dict, r: dict, a: dict, ref: dict) -> list[str]:
+    """A long prompt's per-token time against the shortest published one, here, there and
+    as the run's model (matrices plus attention) predicts it."""
+    base = min((g for g in ref["figures"] if g.get("prompt") and g["model"] == f["model"]),
+               key=lambda g: g["prompt"], default=None)
+    if base is None or base["prompt"] == f["prompt"]:
+        return []
+    fit = next((p for p in (a.get("machine_model") or {}).get("prefill") or []
+                if p["model"] == f["model"] and p["dtype"] == f["dtype"]
+                and p["threads"] == r["threads"]), None)
+    points = {pt["n_prompt"]: pt for pt in (fit or {}).get("points", [])}
+    if base["prompt"] not in points or f["prompt"] not in points:
+        return []
+
+    def per_token(s: float, n: int) -> float:
+        return s / n
+
+    b, p = points[base["prompt"]], points[f["prompt"]]
+    here = per_token(p["measured_s"], p["n_prompt"]) / per_token(b["measured_s"], b["n_prompt"])
+    model = (per_token(p["predicted_s"], p["n_prompt"])
+             / per_token(b["predicted_s"], b["n_prompt"]))
+    pub = lambda g: g.get("prefill_s") or g["prompt"] / g["prefill_tok_s"]  # noqa: E731
+    there = per_token(pub(f), f["prompt"]) / per_token(pub(base), base["prompt"])
+    return [f"per token, {f['prompt']:,} tokens took {here:.2f}× the time of "
+            f"{base['prompt']:,} here (the attention model predicts {model:.2f}×: attention "
+            f"is {p['attention_flop_share']:.0%} of the FLOPs at "
+            f"{fit['attention_gflop_s']:.0f} GFLOP/s against {fit['matmul_gflop_s']:.0f} for "
+            f"the matrices) and {there:.2f}× there"]
+
+
+def _decode_why(f: dict, row: dict, ref: dict, ratio: float) -> str:
+    """Decode's share of the plain memory copy here against the course's own share."""
+    copy = (row.get("copy_ceiling") or {}).get("value")
+    if not copy or not ref.get("memory_gb_s"):
+        return "depends on memory bandwidth (no copy figure to compare)"
+    here = row["effective_gb_s"] / copy
+    there_gb_s = f.get("effective_gb_s") or (f.get("size_gib") or 0) * 2**30 / 1e9 * (
+        f.get("decode_tok_s") or 0)
+    if not there_gb_s:
+        return f"bandwidth: decode used {here:.0%} of a {copy:.0f} GB/s copy here"
+    there = there_gb_s / ref["memory_gb_s"]
+    return (f"bandwidth: decode used {here:.0%} of a {copy:.0f} GB/s copy here "
+            f"({row['effective_gb_s']:.1f} GB/s), {there:.0%} of {ref['memory_gb_s']:.0f} "
+            f"there ({there_gb_s:.1f} GB/s): {row['effective_gb_s'] / there_gb_s:.2f}× the "
+            "effective bandwidth")
+
+
+def workloads_of_main(data: dict) -> Table | None:
+    """Where the time goes in typical requests, for the page's main model only."""
+    full = workloads_table(data["analysis"])
+    main = data["main"]
+    rows = [r for r in full.rows if main and (r["model"], r["dtype"], r["threads"]) == main]
+    if not rows:
+        return None
+    keep = [c for c in full.columns if c.key not in ("model", "dtype")]
+    title = f"{full.title} ({main[0]}, {main[1].upper()}, {threads_label(main[2])})"
+    return Table(full.name, title, keep, rows, full.notes)
 
 
 def claims_table(data: dict) -> Table | None:
@@ -213,8 +287,13 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
     out += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}" for f in
             data["failures"]]
     out += ["## Findings", ""] + [f"- {line}" for line in findings(data)] + [""]
-    sections = [(side_by_side(data), "prefill_vs_prompt"), (size_table(data), "decode_vs_bytes"),
-                (use_table(data), None), (figures_table(data), None), (claims_table(data), None)]
+    a = data["analysis"]
+    sections = [(side_by_side(data), "prefill_vs_prompt"),
+                (next(iter(prefill_model_table(a)), None), None),
+                (size_table(data), "decode_vs_bytes"),
+                (next(iter(decode_model_table(a)), None), "quant_speedup"),
+                (use_table(data), None), (figures_table(data), None),
+                (workloads_of_main(data), None), (claims_table(data), None)]
     for table, plot in sections:
         if table is None:
             continue
@@ -223,8 +302,7 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
     est = estimates_table(data["analysis"])
     if est:
         head, _, rest = markdown_table(est[0]).partition("\n")
-        out += ["## Your machine against others (estimates: decode tok/s of every model)", rest,
-                ""]
+        out += ["## Your machine against others (estimates: decode tok/s)", rest, ""]
     out += ["## Method", "", method_text(data["records"]), "", "## Environment", "",
             *env_lines(env), "",
             "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]

@@ -7,6 +7,7 @@ import io
 import json
 from collections import Counter
 
+from ..analysis.estimates import HARDWARE
 from ..core.reference import check_claims, reference_from_header
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
@@ -22,8 +23,8 @@ from .findings import findings, main_model
 from .tables import test_label
 
 PLOTS = {
-    "decode_vs_bytes": "Decode tok/s against bytes read per token, with the fitted bandwidth "
-                       "and the measured read ceiling",
+    "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
+                       "each weight type as a line",
     "prefill_vs_prompt": "Prefill time and tok/s against prompt length",
     "decode_per_token": "Every decode step's time, repetition by repetition (warm-ups grey)",
 } | PLOT_CAPTIONS
@@ -221,64 +222,222 @@ def repetitions_table(measurements: list[dict]) -> Table:
 
 
 def workloads_table(analysis: dict) -> Table:
-    rows = [dict(w) | {"note": "; ".join(w.get("extrapolated") or [])}
+    rows = [dict(w) | {"note": "; ".join(w.get("modelled") or [])}
             for w in analysis["workloads"]]
-    notes = ["Prefill time = prompt tokens ÷ the prefill rate measured at the nearest prompt "
-             "length; decode time = generated tokens ÷ the decode rate measured at the nearest "
-             "context depth, both on the same model, weight type and thread count."]
-    if any(r["note"] for r in rows):
-        notes.append("Rows with a note are estimated beyond the measured range: longer prompts "
-                     "prefill slower per token as attention grows, and decode slows as the "
-                     "cache fills, so those times are optimistic.")
+    notes = ["Each phase from the measurement nearest the workload on the same model, weight "
+             "type and thread count: prefill at the nearest prompt length, decode at the "
+             "nearest context depth. Where the workload's own length differs, the run's model "
+             "carries the measured time to it (prefill: matrix FLOPs at the rate the run "
+             "measured plus attention FLOPs at flash attention's probed rate; decode: the "
+             "fixed cost, the weights at the run's bandwidth and the attention over the larger "
+             "cache at the decode-attention rate probed in the run), "
+             "and the note says so: those times are modelled, not measured."]
     return Table("workloads", "Where the time goes in typical requests", [
-        Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
-        Column("workload", "workload"), Column("prompt", "n_prompt", "int"),
-        Column("generated", "n_gen", "int"), Column("prefill s", "prefill_s", "f2"),
-        Column("decode s", "decode_s", "f2"), Column("prefill share", "prefill_share", "pct"),
-        Column("note", "note")], rows, notes)
+        Column("model", "model"), Column("dtype", "dtype"), Column("workload", "workload"),
+        Column("prompt", "n_prompt", "int"), Column("generated", "n_gen", "int"),
+        Column("prefill s", "prefill_s", "f2"), Column("decode s", "decode_s", "f2"),
+        Column("prefill share", "prefill_share", "pct"), Column("note", "note")], rows, notes)
+
+
+def _tok_s_cell(value: float | None, ci: list | None = None, why: str | None = None) -> str:
+    if value is None:
+        return why or "–"
+    text = f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+    return text + (f" ({ci[0]:,.1f}–{ci[1]:,.1f})" if ci and value < 100 else
+                   f" ({ci[0]:,.0f}–{ci[1]:,.0f})" if ci else "")
 
 
 def estimates_table(analysis: dict) -> list[Table]:
-    """One table of estimates: every spec on this machine and on reference hardware."""
-    p = analysis["predictions"]
-    if not p.get("this_machine"):
+    """Estimated decode tok/s of the run's models and a few common sizes, here and on
+    reference hardware with sourced per-type figures: at most 6 columns."""
+    p = analysis.get("predictions") or {}
+    if not p.get("rows"):
         return []
-    models = sorted({r["model"] for r in p["this_machine"]})
-    cells: dict[str, dict] = {}
-    for r in p["this_machine"]:
-        row = cells.setdefault(f"this machine {r['dtype']}", {
-            "hardware": "this machine (measured fit)", "dtype": r["dtype"].upper(),
-            "bw": f"{p['gb_s']:.1f}"})
-        row[r["model"]] = f"{r['tok_s']:.1f}" + ("" if r["bytes_from"] == "file" else "*")
-    for r in p["reference"]:
-        if r["dtype"] != "q4_0":
+    hw = p["hardware"]
+    rows = []
+    for r in p["rows"]:
+        row = {"model": r["model"] + (" (MoE)" if r["moe"] else ""),
+               "dtype": r["dtype"].upper() + ("" if r["bytes_from"] == "file" else "*"),
+               "gb": r["decode_weight_n_bytes"] / 1e9}
+        why = r.get("why") or r.get("decode_why")
+        if r.get("fits_in_memory") is False:
+            why = (f"does not fit ({r['memory_needed_n_bytes'] / 1e9:.0f} GB > "
+                   f"{r['ram_n_bytes'] / 1e9:.0f} GB)")
+        here = _tok_s_cell(r.get("decode_tok_s"), r.get("decode_tok_s_ci95"), why)
+        row["here"] = here + (" †" if r.get("decode_gb_s_from", "").endswith(
+            f"did not decode {r['dtype']})") else "")
+        for key, e in r["elsewhere"].items():
+            row[key] = (e["why"] if e["tok_s"] is None else
+                        f"{e['tok_s']:,.0f}" + (" ‡" if e.get("floored") else ""))
+        rows.append(row)
+    notes = [
+        "Estimates, not measurements (the run's own measurements are in the tables above). "
+        "This machine: tok/s = 1 ÷ (fixed cost + bytes ÷ the weight type's bandwidth), the "
+        "run's model of its machine at an empty cache; the interval carries the bandwidth's "
+        "95% interval. † the run did not decode this type: its streaming ceiling stands in "
+        "for the bandwidth, an upper estimate (decode reached "
+        f"{_share_range(analysis)} of it for the types the run did decode).",
+        "* nominal bytes: every matrix at the base type's bits per weight (llama.cpp's recipes "
+        "keep some tensors at other types, so real files are somewhat larger); no star: the "
+        "run built the file and read its tensor table.",
+        "A model whose weights and a 4,096-token KV cache do not fit in a machine's memory is "
+        "shown as not fitting (GB needed > GB there), not estimated; one far smaller than the "
+        "model a source measured gets no estimate where no small-model rate was found, since "
+        "per-token launch and synchronization costs, not bytes, bound it. Mixtures of experts "
+        "read k of their E experts per token (their active bytes) but must hold every expert.",
+    ]
+    for key, h in hw.items():
+        src = "; ".join(f"{d.upper()} {t:.2f} tok/s at {g:.2f} GiB ({s})"
+                        for d, (t, g, s) in HARDWARE[key]["figures"].items())
+        floor = HARDWARE[key]["floor"]
+        notes.append(f"{h['name']}: {h['bandwidth_gb_s']:.0f} GB/s spec sheet, "
+                     f"{h['memory_gb']:.0f} GB" + (f" ({h['memory_note']})" if h["memory_note"]
+                                                   else "")
+                     + f". Each type's share of the bandwidth from a measured llama-bench row: "
+                     f"{src}." + (f" ‡ capped at {floor[0]:.0f} tok/s, the rate of a small "
+                                  f"model on this card ({floor[1]}): per-token launch and "
+                                  "synchronization costs, not bytes, bound small models."
+                                  if floor else ""))
+    columns = [Column("model", "model"), Column("weights", "dtype"),
+               Column("GB read per token", "gb", "f2"), Column("this machine", "here")]
+    columns += [Column(h["name"].split(" (")[0], key) for key, h in hw.items()]
+    return [Table("estimates", "Estimates: decode tok/s here and on other hardware", columns,
+                  rows, notes)]
+
+
+def _share_range(analysis: dict) -> str:
+    shares = [d["share_of_stream"] for d in (analysis.get("machine_model") or {}).get("decode")
+              or [] if d.get("share_of_stream")]
+    if not shares:
+        return "an unmeasured share"
+    lo, hi = min(shares), max(shares)
+    return f"{lo:.0%}" if abs(hi - lo) < 0.005 else f"{lo:.0%}–{hi:.0%}"
+
+
+def decode_model_table(analysis: dict) -> list[Table]:
+    """The decode part of the run's model: per weight type, the fixed cost, the achieved
+    bandwidth and its share of the streaming ceiling, each model's residual, and the line
+    with an intercept where the run has 3 or more sizes."""
+    mm = analysis.get("machine_model") or {}
+    rows = []
+    for d in mm.get("decode") or []:
+        if not d.get("gb_s"):
             continue
-        row = cells.setdefault(r["hardware"], {"hardware": r["hardware"], "dtype": "Q4_0",
-                                               "bw": f"{r['bandwidth_gb_s']:.0f} (spec)"})
-        row[r["model"]] = (f"{r['tok_s_low']:.0f}–{r['tok_s_high']:.0f}"
-                           + ("" if r["bytes_from"] == "file" else "*"))
-    bands = {k: v for k, v in p["bands"].items()}
-    notes = [f"Estimates, not measurements: decode tok/s = bandwidth ÷ bytes per decode step "
-             f"at context 0. This machine: {p['gb_s']:.1f} GB/s from {p['gb_s_from']}. "
-             "Reference hardware: spec-sheet bandwidth × the fraction decode reaches on that "
-             "class of hardware, shown as a range.",
-             "* nominal bytes: every matrix at the base type's bits per weight; llama.cpp's "
-             "recipes keep some tensors at other types, so real files are larger (a run that "
-             "built the file uses its tensor table: no star)."]
-    notes += [f"{k.upper() if k != 'apple' else 'Apple'} band {lo:.0%}–{hi:.0%}: {src}."
-              for k, (lo, hi, src) in bands.items()]
-    moe = [m for m in p.get("moe_models") or [] if m in models]
-    if moe:
-        notes.append(f"{', '.join(moe)}: mixtures of experts, estimated from their active bytes "
-                     "(k of E experts per token); the whole file must still fit in memory.")
-    if p.get("share_of_read") is not None:
-        notes.append(f"Diagnostic: this run's decode reached a median {p['share_of_read']:.0%} "
-                     "of the numpy read bandwidth measured beside it (numpy's read is no "
-                     "ceiling; the yardstick is ggml's streaming ceiling).")
-    return [Table("estimates", "Estimates: decode tok/s of every model, here and elsewhere",
-                  [Column("hardware", "hardware"), Column("weights", "dtype"),
-                   Column("GB/s", "bw")] + [Column(m, m) for m in models],
-                  list(cells.values()), notes)]
+        fixed_ms = sorted(v * 1e3 for v in d["fixed_s"].values())
+        line = d.get("line") or {}
+        rows.append({
+            "dtype": d["dtype"].upper(), "threads": d["threads"],
+            "models": ", ".join(d["models"]),
+            "fixed": (f"{fixed_ms[0]:.2f}" if fixed_ms[0] == fixed_ms[-1] else
+                      f"{fixed_ms[0]:.2f}–{fixed_ms[-1]:.2f}") if any(fixed_ms) else "–",
+            "gb_s": d["gb_s"], "share": d.get("share_of_stream"),
+            "residuals": ", ".join(f"{r['measured_over_model']:.2f}" for r in d["residuals"]),
+            "line": (f"{line['intercept_ms']:.1f} [{line['intercept_ci_ms'][0]:.1f}–"
+                     f"{line['intercept_ci_ms'][1]:.1f}] ms + bytes ÷ {line['gb_s']:.1f} GB/s"
+                     if line.get("gb_s") else "–")})
+    if not rows:
+        return []
+    attention = sorted(v * 1e3 for d in mm.get("decode") or [] for v in
+                       (d.get("attention_s") or {}).values())
+    notes = [fixed_cost_sentence(mm), "bandwidth: the run's decodes of that type, the fixed "
+             "cost and the attention over the cache taken out (" + (
+                 f"{attention[0]:.2f}–{attention[-1]:.2f} ms per step at these rows' contexts, "
+                 "at the decode-attention rate probed in the run" if attention and attention[-1]
+                 else "no decode-attention probe in this run") + "), "
+             "pooled over the type's models in each round, the median over "
+             "rounds with its 95% interval; share: of ggml's streaming ceiling for the type "
+             "(its matrix-vector kernel on a large matrix, probed in the run); residual: each "
+             "model's measured ÷ modelled speed, in the order listed."]
+    if any(r["line"] != "–" for r in rows):
+        notes.append("line: seconds per token = a + bytes ÷ B fitted by least squares over "
+                     "every round's point of every size (95% intervals), set beside the fixed "
+                     "cost measured on skeletons: an intercept well above it is not time that "
+                     "does not scale with bytes but bandwidth that rises with the size of the "
+                     "matrices (small matrices stream less efficiently).")
+    return [Table("decode_model", "The model of decode: a fixed cost plus bytes ÷ bandwidth, "
+                  "per weight type", [
+                      Column("weights", "dtype"), Column("threads", "threads", "int"),
+                      Column("models", "models"), Column("fixed ms", "fixed"),
+                      Column("bandwidth GB/s", "gb_s", "stat"),
+                      Column("share of ceiling", "share", "pct"),
+                      Column("residuals", "residuals"), Column("line", "line")], rows, notes)]
+
+
+def flash_sentence(analysis: dict) -> str:
+    """Whether flash attention ran in the prefills the model is set beside."""
+    used = {r["id"]: r.get("flash_attn_used") for r in analysis.get("prefill") or []
+            if r["n_gen"] == 0}
+    if used and all(v is True for v in used.values()):
+        return ("Flash attention ran in every prefill here (llama.cpp's auto resolved to on, "
+                "as its log says), so the probe's kernel is the one the prompts ran.")
+    off = sorted(i for i, v in used.items() if v is False)
+    if off:
+        return (f"Flash attention did not run in {len(off)} of {len(used)} prefills: their "
+                "attention ran as matrix products and softmax, which the flash-attention "
+                "probe does not time, so the model's attention rate is not theirs.")
+    return "Whether flash attention ran was not recorded for these prefills."
+
+
+def fixed_cost_sentence(mm: dict) -> str:
+    """What the fixed cost is, in a sentence, from the skeletons the run timed."""
+    parts = []
+    for threads, archs in sorted((mm.get("fixed") or {}).items(), key=lambda kv: int(kv[0])):
+        for arch, line in sorted(archs.items()):
+            parts.append(f"{arch} at {threads} thread{'s' if int(threads) != 1 else ''}: "
+                         f"{line['base_s'] * 1e6:.0f} µs per step plus "
+                         f"{line['per_layer_s'] * 1e6:.1f} µs per layer")
+    if not parts:
+        return ("fixed cost: not measured (the run timed no skeletons; it was recorded before "
+                "they existed), so none is taken out.")
+    return ("fixed cost: a decode step's time that does not scale with bytes, measured on "
+            "skeletons of the run's architectures (the same layers, every width tiny, so the "
+            "step reads almost nothing): building the graph, the threads' synchronization at "
+            "each of its nodes, and the logits. " + "; ".join(parts) + ".")
+
+
+def prefill_model_table(analysis: dict) -> list[Table]:
+    """The prefill part of the run's model against the measured prompt lengths."""
+    mm = analysis.get("machine_model") or {}
+    rows = []
+    for p in mm.get("prefill") or []:
+        if len(p["points"]) < 2:
+            continue
+        for pt in p["points"]:
+            rows.append({"model": f"{p['model']} {p['dtype'].upper()}",
+                         "threads": p["threads"], "n_prompt": pt["n_prompt"],
+                         "gflop_s": pt["measured_gflop_s"],
+                         "attn_share": pt["attention_flop_share"],
+                         "attn_time": pt["attention_time_share"],
+                         "predicted": pt["predicted_s"], "measured": pt["measured_s"],
+                         "ratio": pt["measured_over_predicted"]})
+    if not rows:
+        return []
+    p0 = next(p for p in mm["prefill"] if len(p["points"]) >= 2)
+    notes = [f"predicted s = matrix FLOPs ÷ {p0['matmul_gflop_s']:.0f} GFLOP/s (the rate "
+             f"{p0['model']} {p0['dtype']} reached at {p0['calibrated_at']:,} tokens, "
+             "attention taken out) + attention FLOPs ÷ "
+             f"{p0['attention_gflop_s']:.0f} GFLOP/s (ggml's flash-attention kernel at its "
+             f"{p0['attention_shape'].replace('x', ' × ')} head shape: head size × heads × KV "
+             "heads, F16 K and V, probed in the run). measured ÷ predicted above 1: the run "
+             "was slower than the model.", flash_sentence(analysis)]
+    return [Table("prefill_model", "The model of prefill: matrices plus attention, against "
+                  "prompt length", [
+                      Column("model", "model"), Column("prompt", "n_prompt", "int"),
+                      Column("measured GFLOP/s", "gflop_s", "f1"),
+                      Column("attention share of FLOPs", "attn_share", "pct"),
+                      Column("of predicted time", "attn_time", "pct"),
+                      Column("predicted s", "predicted", "f2"),
+                      Column("measured s", "measured", "f2"),
+                      Column("measured ÷ predicted", "ratio", "f2")], rows, notes)]
+
+
+def system_info_cell(info: str | None) -> str:
+    """llama.cpp's system line for a table cell: its ` | ` separators as commas (a `|`, even
+    inside a code span, ends a GitHub table cell)."""
+    if not info:
+        return "–"
+    parts = [p.strip() for p in info.replace("|", "\n").splitlines() if p.strip()]
+    return ", ".join(parts)
 
 
 def missing(records) -> list[str]:
@@ -291,6 +450,7 @@ def report_data(records, analysis: dict) -> dict:
     header = records.header or {}
     tables = [prefill_table(records.measurements, analysis),
               decode_table(records.measurements, analysis), ceilings_table(analysis)]
+    tables += decode_model_table(analysis) + prefill_model_table(analysis)
     tables += [workloads_table(analysis)] + estimates_table(analysis)
     tables += [repetitions_table(records.measurements)]
     tables += lever_tables(analysis)
@@ -324,7 +484,7 @@ def env_lines(env: dict) -> list[str]:
         f"| OS | {env.get('os')} |",
         f"| llama.cpp | commit {llama.get('ggml_commit')} (ggml {llama.get('ggml_version')}), "
         f"llama-cpp-python {llama.get('llama_cpp_python')} |",
-        f"| llama.cpp system info | `{llama.get('system_info')}` |",
+        f"| llama.cpp system info | {system_info_cell(llama.get('system_info'))} |",
         f"| Python, gguf, numpy | {env.get('python')}, {env.get('gguf')}, {env.get('numpy')} |",
         f"| harness | {_harness_line(env)} |",
     ]

@@ -5,54 +5,73 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.ceilings import is_plain
-from ..analysis.phases import MEMORY_BOUND_R2, longest_decodes
+from ..analysis.phases import longest_decodes
 from ..core.stats import center
 from ..levers import write_lever_plots
 from ..render.plotkit import ci_errors, plain_log2, plain_log_y, plt, save
 
 
-def decode_vs_bytes(analysis: dict, out_dir: Path) -> str | None:
+def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
+                    ) -> str | None:
+    """Decode tok/s against GB read per token on log-log axes: the run's points per weight
+    type, the run's model of each type as a line (fixed cost + bytes ÷ its bandwidth), and a
+    reference block's published points hollow."""
     rows = sorted(longest_decodes(analysis["decode"]),
                   key=lambda r: (r["bytes_per_token"], r["dtype"]))
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    xs = [r["bytes_per_token"] / 1e9 for r in rows]
-    ys = [center(r["tok_s"]) for r in rows]
-    ax.errorbar(xs, ys, yerr=ci_errors([r["tok_s"] for r in rows]), fmt="o", capsize=4,
-                color="black", label="measured median (95% CI)", zorder=3)
-    for i, (r, x, y) in enumerate(zip(rows, xs, ys, strict=True)):
-        # alternate sides and stagger vertically so neighbouring labels never overlap
-        ax.annotate(f"{r['model']} {r['dtype']}", (x, y), textcoords="offset points",
-                    xytext=(8, 10 + 12 * (i % 3)) if i % 2 == 0 else (8, -14 - 12 * (i % 3)),
-                    fontsize=8, arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.5})
-    grid = [min(xs) * 0.8 + (max(xs) * 1.2 - min(xs) * 0.8) * i / 99 for i in range(100)]
-    title = "Decode speed against bytes read per token"
-    for f in analysis["fits"]:
-        b = f["fit"]["gb_s"]
-        ax.plot(grid, [b / x for x in grid], lw=2, alpha=0.8,
-                label=f"fit: {b:.1f} GB/s ÷ GB per token ({f['threads']} threads)")
-        r2 = f["fit"]["r2"]
-        fits_well = r2 is not None and r2 >= MEMORY_BOUND_R2
-        title = ((f"Decode speed falls as 1/size: tok/s ≈ {b:.0f} GB/s ÷ GB read per token "
-                  f"(R² = {r2:.2f})") if fits_well else
-                 f"Decode tok/s against GB read per token: the fit {b:.0f} GB/s ÷ GB"
-                 + (f" explains little (R² = {r2:.2f})" if r2 is not None else
-                    " (two sizes: R² needs three)"))
-    fitted = {i for f in analysis["fits"] for i in f.get("ids") or []}
-    ceilings = [r["stream_ceiling"]["value"] for r in rows if r["stream_ceiling"]["value"]
-                and (not fitted or r["id"] in fitted)]
-    if ceilings:
-        c = sum(ceilings) / len(ceilings)
-        ax.plot(grid, [c / x for x in grid], "--", color="tab:red", lw=1.2,
-                label=f"streaming ceiling (llama.cpp's kernel): {c:.1f} GB/s ÷ GB")
-    ax.set_xlabel("GB read per decode step (10⁹ bytes)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(title, fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    colors = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        group = [r for r in rows if r["dtype"] == dtype]
+        xs = [r["bytes_per_token"] / 1e9 for r in group]
+        line = ax.errorbar(xs, [center(r["tok_s"]) for r in group],
+                           yerr=ci_errors([r["tok_s"] for r in group]), fmt="o", capsize=3,
+                           label=f"{dtype.upper()} measured (95% CI)", zorder=3)
+        colors[dtype] = line[0].get_color()
+        for i, r in enumerate(group):
+            ax.annotate(r["model"], (xs[i], center(r["tok_s"])), textcoords="offset points",
+                        xytext=(6, 6 if i % 2 == 0 else -12), fontsize=7)
+    xs_all = [r["bytes_per_token"] / 1e9 for r in rows]
+    published = _published_points(reference)
+    xs_all += [x for x, _, _ in published]
+    grid = [min(xs_all) * 0.7 * (max(xs_all) * 1.4 / (min(xs_all) * 0.7)) ** (i / 99)
+            for i in range(100)]
+    for d in (analysis.get("machine_model") or {}).get("decode") or []:
+        if not d.get("gb_s") or d["dtype"] not in colors:
+            continue
+        fixed = sum(d["fixed_s"].values()) / len(d["fixed_s"])
+        gb_s = center(d["gb_s"])
+        ax.plot(grid, [1 / (fixed + x / gb_s) for x in grid], color=colors[d["dtype"]], lw=1.5,
+                alpha=0.8, label=f"{d['dtype'].upper()} model: {fixed * 1e3:.2f} ms + GB ÷ "
+                                 f"{gb_s:.1f} GB/s ({d['threads']} threads)")
+    if published:
+        ax.scatter([x for x, _, _ in published], [y for _, y, _ in published],
+                   facecolors="none", edgecolors="black", s=40, zorder=4,
+                   label=f"published ({reference.get('hardware', 'reference')})")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain_log_y(ax)
+    ax.set_xlabel("GB read per decode step (10⁹ bytes, log scale)")
+    ax.set_ylabel("decode tokens/s (log scale)")
+    ax.set_title("Decode speed against bytes read per token: one line per weight type",
+                 fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
     return save(fig, out_dir, "decode_vs_bytes")
+
+
+def _published_points(reference: dict | None) -> list[tuple[float, float, str]]:
+    """(GB per token, tok/s, model) of a reference block's decode figures that give a size."""
+    out = []
+    for f in (reference or {}).get("figures") or []:
+        tok_s = f.get("decode_tok_s") or (1000 / f["ms_per_token"] if f.get("ms_per_token")
+                                          else None)
+        gb = (f["effective_gb_s"] / tok_s if f.get("effective_gb_s") and tok_s else
+              f["size_gib"] * 2**30 / 1e9 if f.get("size_gib") else None)
+        if tok_s and gb:
+            out.append((gb, tok_s, f["model"]))
+    return out
 
 
 def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
@@ -134,10 +153,12 @@ def _levers_label(m: dict) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def write_plots(measurements: list[dict], analysis: dict, out_dir: Path) -> list[str]:
+def write_plots(measurements: list[dict], analysis: dict, out_dir: Path,
+                reference: dict | None = None) -> list[str]:
     """Write every plot the data supports; return the PNG names, relative to out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    made = [decode_vs_bytes(analysis, out_dir), prefill_vs_prompt(measurements, out_dir),
+    made = [decode_vs_bytes(analysis, out_dir, reference),
+            prefill_vs_prompt(measurements, out_dir),
             decode_per_token(measurements, out_dir)]
 
     made += write_lever_plots(analysis, out_dir)

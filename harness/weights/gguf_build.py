@@ -272,3 +272,11 @@ def nominal_decode_n_bytes(spec: ModelSpec, dtype) -> float:
                                                                    / 32))
               for t in f32]
     return decode_weight_n_bytes(scaled, active)
+
+
+def nominal_file_n_bytes(spec: ModelSpec, dtype) -> float:
+    """Bytes of every tensor at a dtype (the whole file, every expert): exact for F32/F16/BF16,
+    every matrix at the base type's bits per weight for quantized types."""
+    table = table_from_plan(spec, dtype if dtype.direct else DTYPES["f32"])
+    return float(sum(t.n_bytes if dtype.direct or len(t.shape) == 1
+                     else t.n_bytes * dtype.bits_per_weight / 32 for t in table))
