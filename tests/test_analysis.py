@@ -163,8 +163,10 @@ def test_kernel_probe_matrix_sizes_and_flops():
         assert s["n_bytes"] == (1 << 20) // row // 64 * 64 * row
         c = kp.compute("f32", 1, 2)
         assert len(c["samples_gflop_s"]) == 2
-        mm = kp._cache[("f32", "compute")]
+        mm = kp._cache[("f32", "compute", 512)]
         assert mm.flops == 2.0 * 64 * 4096 * 512  # rows capped by the 1 MiB stream matrix
+        kp.compute("f32", 1, 2, kp.NARROW_COLUMNS)
+        assert kp._cache[("f32", "compute", 128)].flops == 2.0 * 64 * 4096 * 128
         assert kp.unsupported("q8_k") and kp.unsupported("nonsense")
     finally:
         kp.close()

@@ -149,7 +149,7 @@ def test_the_prefill_model_splits_matrices_from_attention():
         return (prefill_flops(spec, n) - a) / (mm_rate * 1e9) + a / (attn_rate * 1e9)
 
     rows = [{"id": f"pp{n}", "model": "m", "dtype": "f32", "threads": 2, "n_prompt": n,
-             "n_gen": 0, "seconds": seconds(n), "gflop_s": prefill_flops(spec, n) /
+             "n_gen": 0, "n_ubatch": 512, "seconds": seconds(n), "gflop_s": prefill_flops(spec, n) /
              seconds(n) / 1e9, "compute_peak": {"value": 300.0}} for n in (128, 1024, 4096)]
     ceil = {2: {"attention": {"64x14x2": {"value": attn_rate}}}}
     fit = model.prefill_model(rows, _models("m"), ceil)[0]
@@ -168,3 +168,24 @@ def test_decode_attention_is_taken_out_before_the_bandwidth():
     entry = model.decode_model([row], _models("a"), {}, ceil)[0]
     assert entry["gb_s"]["median"] == pytest.approx(25.0)
     assert entry["attention_s"]["a"] == pytest.approx(attention)
+
+
+def test_a_narrow_ubatch_runs_the_matrices_at_the_probed_narrow_rate():
+    spec, wide, narrow, attn = SPEC, 200.0, 160.0, 50.0  # 128 columns: 0.8 of 512's rate
+
+    def seconds(n):
+        matrices = prefill_flops(spec, n) - attention_flops(spec, n)
+        rate = narrow if n <= 128 else wide  # 1,024 tokens: two ubatches of 512
+        return matrices / (rate * 1e9) + attention_flops(spec, n) / (attn * 1e9)
+
+    rows = [{"id": f"pp{n}", "model": "m", "dtype": "f32", "threads": 2, "n_prompt": n,
+             "n_gen": 0, "n_ubatch": 512, "seconds": seconds(n), "gflop_s": 1.0,
+             "compute_peak": {"value": 300.0}} for n in (128, 1024)]
+    ceil = {2: {"attention": {"64x14x2": {"value": attn}}, "compute": {"f32": {"value": 300.0}},
+                "narrow": {"f32": {"value": 240.0}}}}
+    fit = model.prefill_model(rows, _models("m"), ceil)[0]
+    assert fit["narrow_over_wide"] == pytest.approx(0.8)
+    assert fit["matmul_gflop_s"] == pytest.approx(wide)  # as a 512-column rate
+    assert fit["points"][1]["measured_over_predicted"] == pytest.approx(1.0)
+    rel = model.column_scale(ceil, 2, "f32")
+    assert rel(512) == pytest.approx(1.0) and rel(256) == pytest.approx(0.8 ** 0.5)

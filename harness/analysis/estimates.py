@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..core.costs import attention_flops, mean_decode_context, prefill_flops
+from ..core.costs import attention_flops, mean_decode_context
 from ..core.dtypes import DTYPES
 from ..core.specs import ModelSpec
 from ..core.stats import center, relative_half_width
 from ..weights.gguf_build import nominal_decode_n_bytes, nominal_file_n_bytes
 from .model import (
     attention_rate,
+    column_scale,
     combine_spreads,
     decode_attention_s,
     fixed_seconds,
@@ -22,6 +23,7 @@ from .model import (
     int_keys,
     kv_bytes,
     log_ci,
+    prefill_seconds,
 )
 from .phases import config_key
 
@@ -189,8 +191,9 @@ def _prefill_estimate(mm: dict, ceil: dict, threads: int, spec: ModelSpec, dtype
     if not attn_gflop_s:
         return {"prefill_tok_s": None, "prefill_tok_s_ci95": None, "prefill_why": shape}
     attention = attention_flops(spec, n_prompt)
-    matmul = prefill_flops(spec, n_prompt) - attention
-    seconds = matmul / (mm_gflop_s * 1e9) + attention / (attn_gflop_s * 1e9)
+    n_ubatch = fits[0]["n_ubatch"] if fits else 512
+    seconds = prefill_seconds(spec, n_prompt, n_ubatch, mm_gflop_s, attn_gflop_s,
+                              column_scale({threads: ceil}, threads, dtype))
     ci = log_ci(n_prompt / seconds, spread)
     return {"prefill_tok_s": n_prompt / seconds, "prefill_tok_s_ci95": ci,
             "prefill_s": seconds, "prefill_matmul_gflop_s": mm_gflop_s,
@@ -257,8 +260,9 @@ def _workload(mm: dict, spec: ModelSpec, key: tuple, workload: tuple, pre: list[
     prefill_s = near["seconds"] * n_prompt / near["n_prompt"]
     if near["n_prompt"] != n_prompt:
         if fit:
-            prefill_s = near["seconds"] * (_prefill_s(spec, fit, n_prompt)
-                                           / _prefill_s(spec, fit, near["n_prompt"]))
+            rel = column_scale(int_keys(mm.get("ceilings")), key[2], key[1])
+            prefill_s = near["seconds"] * (_prefill_s(spec, fit, n_prompt, rel)
+                                           / _prefill_s(spec, fit, near["n_prompt"], rel))
             modelled.append(f"prefill of {n_prompt:,} tokens modelled from "
                             f"{near['n_prompt']:,} (matrices and attention)")
         else:
@@ -286,10 +290,9 @@ def _workload(mm: dict, spec: ModelSpec, key: tuple, workload: tuple, pre: list[
             "modelled": modelled}
 
 
-def _prefill_s(spec: ModelSpec, fit: dict, n_prompt: int) -> float:
-    attention = attention_flops(spec, n_prompt)
-    matmul = prefill_flops(spec, n_prompt) - attention
-    return matmul / (fit["matmul_gflop_s"] * 1e9) + attention / (fit["attention_gflop_s"] * 1e9)
+def _prefill_s(spec: ModelSpec, fit: dict, n_prompt: int, rel) -> float:
+    return prefill_seconds(spec, n_prompt, fit["n_ubatch"], fit["matmul_gflop_s"],
+                           fit["attention_gflop_s"], rel)
 
 
 def _share_ci(prefill_s: float, decode_s: float, spread: float | None) -> list[float] | None:

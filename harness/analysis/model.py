@@ -14,9 +14,12 @@ decode, seconds per token = fixed + weight bytes ÷ B(type)
          the two).
   With 3 or more sizes of one type the straight line t = a + bytes ÷ B is fitted too, by
   least squares over every round's points, and its intercept a set beside the measured fixed.
-prefill, seconds = matrix FLOPs ÷ P(type) + attention FLOPs ÷ P(attention)
-  P(type): the rate the run's shortest prompt of that type achieved, attention's part taken
-         out (for a type the run did not prefill, its ggml compute peak);
+prefill, seconds = Σ over ubatches of matrix FLOPs ÷ P(type, columns)
+                  + attention FLOPs ÷ P(attention)
+  P(type, columns): the rate the run's shortest prompt of that type achieved, attention's
+         part taken out, carried to other ubatch widths by the ratio of ggml's compute peak
+         at those widths (probed at 128 and 512 columns: a narrow GEMM is slower); for a type
+         the run did not prefill, its ggml compute peak;
   P(attention): ggml's flash-attention kernel at the model's head shape, probed in the run.
 Estimates for configurations the run never measured derive from it (estimate()).
 """
@@ -104,8 +107,9 @@ def ceilings(probes: list[dict]) -> dict:
             slot = out.setdefault(int(t), {"stream": {}, "compute": {}, "attention": {},
                                            "decode_attention": {}})
             for dtype in node.get("ggml") or {}:
-                for kind, key in (("stream", "stream_gb_s"), ("compute", "compute_gflop_s")):
-                    slot[kind].setdefault(dtype, ("ggml", dtype, key))
+                for kind, key in (("stream", "stream_gb_s"), ("compute", "compute_gflop_s"),
+                                  ("narrow", "narrow_gflop_s")):
+                    slot.setdefault(kind, {}).setdefault(dtype, ("ggml", dtype, key))
             for kind in ("attention", "decode_attention"):
                 for shape in node.get(kind) or {}:
                     slot.setdefault(kind, {}).setdefault(shape, (kind, shape,
@@ -225,10 +229,46 @@ def attention_rate(ceil: dict, threads: int, spec: ModelSpec, kind: str = "atten
     return probed[near]["value"], near
 
 
+def column_scale(ceil: dict, threads: int, dtype: str):
+    """rel(columns): the type's compute rate at a ubatch of that many columns relative to
+    its rate at 512, log-interpolated between the probed 128 and 512 (1 without a probe)."""
+    slot = ceil.get(threads) or {}
+    wide = (slot.get("compute") or {}).get(ggml_type(dtype))
+    narrow = (slot.get("narrow") or {}).get(ggml_type(dtype))
+    if not wide or not narrow:
+        return lambda columns: 1.0
+    low = narrow["value"] / wide["value"]
+
+    def rel(columns: int) -> float:
+        x = min(max(math.log(columns / 128) / math.log(4), 0.0), 1.0)
+        return low ** (1 - x)
+
+    return rel
+
+
+def matrix_units(spec: ModelSpec, n_prompt: int, n_ubatch: int, rel) -> float:
+    """A prompt's matrix FLOPs in 512-column equivalents: each ubatch's FLOPs ÷ rel(its
+    width), the output layer (last token only) with the last ubatch."""
+    per_token = (prefill_flops(spec, 1) - attention_flops(spec, 1)
+                 - 2 * spec.hidden_size * spec.vocab_size)
+    sizes = [n_ubatch] * (n_prompt // n_ubatch) + ([n_prompt % n_ubatch] if n_prompt %
+                                                   n_ubatch else [])
+    units = sum(per_token * n / rel(n) for n in sizes)
+    return units + 2 * spec.hidden_size * spec.vocab_size / rel(sizes[-1])
+
+
+def prefill_seconds(spec: ModelSpec, n_prompt: int, n_ubatch: int, mm_gflop_s: float,
+                    attn_gflop_s: float, rel) -> float:
+    """The model's prefill time: matrices at mm_gflop_s (a 512-column rate) per ubatch width,
+    attention at attn_gflop_s."""
+    return (matrix_units(spec, n_prompt, n_ubatch, rel) / (mm_gflop_s * 1e9)
+            + attention_flops(spec, n_prompt) / (attn_gflop_s * 1e9))
+
+
 def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
     """Per model, type and thread count with prefill-only rows: the matrix rate achieved at
-    the shortest prompt (attention's probed time taken out), and every prompt length's
-    predicted time from both parts beside the measured one."""
+    the shortest prompt (attention's probed time taken out, as a 512-column rate), and every
+    prompt length's predicted time from both parts beside the measured one."""
     groups: dict[tuple, list[dict]] = {}
     for r in prefill:
         if r["n_gen"] == 0 and models.get(f"{r['model']}|{r['dtype']}"):
@@ -239,32 +279,30 @@ def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
         attn_gflop_s, shape = attention_rate(ceil, threads, spec)
         if not attn_gflop_s:
             continue
+        rel = column_scale(ceil, threads, dtype)
         short = min(rows, key=lambda r: r["n_prompt"])
-        mm_gflop_s = _matmul_rate(spec, short, attn_gflop_s)
-        if mm_gflop_s is None:
+        left = short["seconds"] - attention_flops(spec, short["n_prompt"]) / (attn_gflop_s * 1e9)
+        if left <= 0:
             continue
-        points = [_prefill_point(spec, r, mm_gflop_s, attn_gflop_s)
+        mm_gflop_s = matrix_units(spec, short["n_prompt"], short["n_ubatch"], rel) / left / 1e9
+        points = [_prefill_point(spec, r, mm_gflop_s, attn_gflop_s, rel)
                   for r in sorted(rows, key=lambda r: r["n_prompt"])]
         out.append({"model": name, "dtype": dtype, "threads": threads,
                     "matmul_gflop_s": mm_gflop_s, "attention_gflop_s": attn_gflop_s,
                     "attention_shape": shape, "calibrated_at": short["n_prompt"],
+                    "narrow_over_wide": rel(128), "n_ubatch": short["n_ubatch"],
                     "compute_peak_gflop_s": short["compute_peak"]["value"],
                     "points": points})
     return out
 
 
-def _matmul_rate(spec: ModelSpec, row: dict, attn_gflop_s: float) -> float | None:
-    attention_s = attention_flops(spec, row["n_prompt"]) / (attn_gflop_s * 1e9)
-    matmul = prefill_flops(spec, row["n_prompt"]) - attention_flops(spec, row["n_prompt"])
-    left = row["seconds"] - attention_s
-    return matmul / left / 1e9 if left > 0 else None
-
-
-def _prefill_point(spec: ModelSpec, row: dict, mm_gflop_s: float, attn_gflop_s: float) -> dict:
+def _prefill_point(spec: ModelSpec, row: dict, mm_gflop_s: float, attn_gflop_s: float,
+                   rel) -> dict:
     attention = attention_flops(spec, row["n_prompt"])
     matmul = prefill_flops(spec, row["n_prompt"]) - attention
     attention_s = attention / (attn_gflop_s * 1e9)
-    predicted_s = matmul / (mm_gflop_s * 1e9) + attention_s
+    predicted_s = prefill_seconds(spec, row["n_prompt"], row["n_ubatch"], mm_gflop_s,
+                                  attn_gflop_s, rel)
     return {"n_prompt": row["n_prompt"], "id": row["id"], "matmul_gflop": matmul / 1e9,
             "attention_gflop": attention / 1e9,
             "attention_flop_share": attention / (attention + matmul),

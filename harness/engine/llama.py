@@ -516,6 +516,7 @@ class KernelProbe:
     N_COLS = 4096  # a multiple of every block size (32 and the K-quants' 256)
     COMPUTE_ROWS = 1024
     COMPUTE_COLUMNS = 512
+    NARROW_COLUMNS = 128  # a short prompt's ubatch: GEMM is less efficient with fewer columns
     # (queries, cached positions they attend to): a prefill ubatch, a decode step
     ATTENTION_SHAPES = {"prefill": (512, 2048), "decode": (1, 4096)}
 
@@ -565,8 +566,11 @@ class KernelProbe:
         return {"samples_gb_s": [mm.n_bytes / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
 
-    def compute(self, type_name: str, n_threads: int, passes: int) -> dict:
-        mm = self._matmul(type_name, "compute")
+    def compute(self, type_name: str, n_threads: int, passes: int,
+                n_columns: int | None = None) -> dict:
+        """GFLOP/s of the type's weights times n_columns activations (a prefill ubatch of
+        that many tokens; COMPUTE_COLUMNS by default)."""
+        mm = self._matmul(type_name, "compute", n_columns or self.COMPUTE_COLUMNS)
         seconds = self._run(mm, n_threads, passes)
         return {"samples_gflop_s": [mm.flops / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
@@ -601,8 +605,8 @@ class KernelProbe:
                 out.append((time.perf_counter_ns() - start) / 1e9)
         return out
 
-    def _matmul(self, type_name: str, kind: str) -> _MatMul:
-        key = (type_name, kind)
+    def _matmul(self, type_name: str, kind: str, n_columns: int = 1) -> _MatMul:
+        key = (type_name, kind, n_columns)
         if key not in self._cache:
             reason = self.unsupported(type_name)
             if reason:
@@ -615,7 +619,7 @@ class KernelProbe:
                 rows, columns = max(self.stream_n_bytes // row // 64, 1) * 64, 1
             else:
                 stream_rows = max(self.stream_n_bytes // row // 64, 1) * 64
-                rows, columns = min(self.COMPUTE_ROWS, stream_rows), self.COMPUTE_COLUMNS
+                rows, columns = min(self.COMPUTE_ROWS, stream_rows), n_columns
             self._cache[key] = self._build(type_id, rows, columns)
         return self._cache[key]
 

@@ -133,6 +133,11 @@ def _kernels(kp, n_threads: int, dtypes: list[str], passes: dict, phases: tuple[
                 entry |= {"compute_gflop_s": max(c["samples_gflop_s"]),
                           "compute_samples_gflop_s": c["samples_gflop_s"],
                           "layout": c["layout"]}
+            if "narrow" in phases:
+                c = kp.compute(dtype, n_threads, passes["compute"], kp.NARROW_COLUMNS)
+                entry |= {"narrow_gflop_s": max(c["samples_gflop_s"]),
+                          "narrow_samples_gflop_s": c["samples_gflop_s"],
+                          "narrow_columns": kp.NARROW_COLUMNS}
         except (MeasurementError, MemoryError) as exc:
             entry["error"] = str(exc)
         out[dtype] = entry
@@ -231,7 +236,8 @@ class Prober:
         results = {}
         for n in sorted(set(thread_counts)):
             results[str(n)] = _bandwidth(n, src, dst, passes["read"]) | {
-                "ggml": _kernels(self.kernels, n, self.dtypes, passes, ("stream", "compute")),
+                "ggml": _kernels(self.kernels, n, self.dtypes, passes,
+                                 ("stream", "compute", "narrow")),
                 "attention": self._attention(n, passes["compute"], "prefill"),
                 "decode_attention": self._attention(n, passes["compute"], "decode"),
                 "fixed_cost": self._fixed_cost(n, passes["compute"])}
