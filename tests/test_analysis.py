@@ -163,10 +163,12 @@ def test_kernel_probe_matrix_sizes_and_flops():
         assert s["n_bytes"] == (1 << 20) // row // 64 * 64 * row
         c = kp.compute("f32", 1, 2)
         assert len(c["samples_gflop_s"]) == 2
-        mm = kp._cache[("f32", "compute", 512)]
+        mm = kp._cache[("f32", "compute", 512, 4096)]
         assert mm.flops == 2.0 * 64 * 4096 * 512  # rows capped by the 1 MiB stream matrix
         kp.compute("f32", 1, 2, kp.NARROW_COLUMNS)
-        assert kp._cache[("f32", "compute", 128)].flops == 2.0 * 64 * 4096 * 128
+        assert kp._cache[("f32", "compute", 128, 4096)].flops == 2.0 * 64 * 4096 * 128
+        short = kp.stream("q8_0", 1, 2, kp.NARROW_ROW)  # as many bytes, in rows of 512
+        assert short["n_bytes"] == (1 << 20) // (row // 8) // 64 * 64 * (row // 8)
         assert kp.unsupported("q8_k") and kp.unsupported("nonsense")
     finally:
         kp.close()
@@ -239,6 +241,9 @@ def test_a_full_probe_times_attention_and_the_fixed_cost_skeletons(tmp_path):
         r = p.full([1], {"read": 5, "stream": 5, "compute": 5})
     node = r["threads"]["1"]
     assert set(COMMON_DTYPES) | {"f32"} <= set(node["ggml"])  # types the run did not use too
+    q8 = node["ggml"]["q8_0"]  # short rows as well as long ones: a small model's widths
+    assert (q8["shortrows_n_weights"], q8["row_n_weights"]) == (512, 4096)
+    assert len(q8["shortrows_samples_gb_s"]) == 5 and q8["shortrows_gb_s"] > 0
     a = node["attention"]["x".join(map(str, shape))]
     assert len(a["attention_samples_gflop_s"]) == 5 and a["attention_gflop_s"] > 0
     fixed = node["fixed_cost"]["qwen2"]

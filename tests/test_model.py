@@ -7,16 +7,22 @@ import numpy as np
 import pytest
 
 from harness.analysis import estimates, model
-from harness.core.costs import attention_flops, prefill_flops
+from harness.analysis.model import int_keys
+from harness.core.costs import attention_flops, decode_n_bytes_by_row_width, prefill_flops
+from harness.core.dtypes import DTYPES
 from harness.core.specs import resolve_spec
+from harness.weights.gguf_build import table_from_plan
 
 SPEC = resolve_spec("qwen2.5-0.5b")
+LM_HEAD = 2 * SPEC.hidden_size * SPEC.vocab_size  # FLOPs of the last token's logits
 
 
 def _full_probe(threads=2, stream=None, compute=None, attention=None, fixed=None,
-                decode_attention=None):
+                decode_attention=None, short_rows=None):
     """A full probe record holding the given medians (three equal passes each)."""
     node = {"ggml": {}, "attention": {}, "fixed_cost": {}, "decode_attention": {}}
+    for t, v in (short_rows or {}).items():
+        node["ggml"].setdefault(t, {}).update(shortrows_gb_s=v, shortrows_samples_gb_s=[v] * 3)
     for shape, v in (decode_attention or {}).items():
         node["decode_attention"][shape] = {"attention_gflop_s": v,
                                            "attention_samples_gflop_s": [v] * 3}
@@ -103,12 +109,34 @@ def test_an_estimate_uses_the_type_streaming_ceiling_when_the_run_did_not_decode
     assert e["decode_tok_s_ci95"][0] <= e["decode_tok_s"] <= e["decode_tok_s_ci95"][1]
     assert "streaming ceiling" in e["decode_gb_s_from"] and e["fits_in_memory"] is True
     attention = attention_flops(SPEC, 512)
-    seconds = (prefill_flops(SPEC, 512) - attention) / 150e9 + attention / 100e9
+    output_s = SPEC.hidden_size * SPEC.vocab_size * 8.5 / 8 / 20e9  # one read, Q8_0 stream
+    seconds = ((prefill_flops(SPEC, 512) - attention - LM_HEAD) / 150e9 + attention / 100e9
+               + output_s)
     assert e["prefill_tok_s"] == pytest.approx(512 / seconds)
     deeper = estimates.estimate(mm, SPEC, "q8_0", context=4095)
     assert deeper["decode_parts_s"]["attention"] == pytest.approx(
         4 * 24 * SPEC.q_dim * 4096 / 5e9)  # 4 x layers x q_dim x positions, at 5 GFLOP/s
     assert deeper["kv_n_bytes"] == pytest.approx(model.kv_bytes(SPEC, 4096))
+
+
+def test_short_rows_slow_the_streaming_ceiling_by_each_matrix_row_width():
+    # rows of 512 weights stream at half the 4,096-row rate: 896 lies 27% of the way (log)
+    probes = [_full_probe(stream={"q8_0": 20.0}, short_rows={"q8_0": 10.0},
+                          fixed={"qwen2": {1: 0.0001, 33: 0.0033}})]
+    mm = model.machine_model([], [], {}, probes, int(24e9))
+    rel = model.row_scale(int_keys(mm["ceilings"]), 2, "q8_0")
+    assert rel(512) == pytest.approx(0.5) and rel(4096) == 1.0 and rel(16384) == 1.0
+    assert rel(256) == pytest.approx(0.5) and rel(1448) == pytest.approx(0.5 ** 0.5, rel=1e-3)
+    e = estimates.estimate(mm, SPEC, "q8_0")
+    # qwen2.5-0.5b: every matrix but the FFN's down projection (rows of 4,864) has 896-wide
+    # rows, the output layer's 545 MB among them; the rate is their harmonic mean by bytes
+    widths = decode_n_bytes_by_row_width(table_from_plan(SPEC, DTYPES["f32"]))
+    assert set(widths) == {896, 4864} and widths[896] > 3 * widths[4864]
+    harmonic = sum(widths.values()) / (widths[896] / rel(896) + widths[4864])
+    assert e["decode_gb_s"] == pytest.approx(20.0 * harmonic)
+    assert rel(896) < harmonic < 0.7 and "row widths" in e["decode_gb_s_from"]
+    wide = estimates.estimate(mm, resolve_spec("llama-3.1-8b"), "q8_0")
+    assert wide["decode_gb_s"] == pytest.approx(20.0)  # 4,096 and 14,336-wide rows
 
 
 def test_an_estimate_refuses_what_does_not_fit_and_says_what_it_lacks():
@@ -144,9 +172,9 @@ def test_the_prefill_model_splits_matrices_from_attention():
     spec = SPEC
     mm_rate, attn_rate = 200.0, 50.0
 
-    def seconds(n):
+    def seconds(n):  # no streaming ceiling in these probes: the output layer costs nothing
         a = attention_flops(spec, n)
-        return (prefill_flops(spec, n) - a) / (mm_rate * 1e9) + a / (attn_rate * 1e9)
+        return (prefill_flops(spec, n) - a - LM_HEAD) / (mm_rate * 1e9) + a / (attn_rate * 1e9)
 
     rows = [{"id": f"pp{n}", "model": "m", "dtype": "f32", "threads": 2, "n_prompt": n,
              "n_gen": 0, "n_ubatch": 512, "seconds": seconds(n), "gflop_s": prefill_flops(spec, n) /
@@ -174,7 +202,7 @@ def test_a_narrow_ubatch_runs_the_matrices_at_the_probed_narrow_rate():
     spec, wide, narrow, attn = SPEC, 200.0, 160.0, 50.0  # 128 columns: 0.8 of 512's rate
 
     def seconds(n):
-        matrices = prefill_flops(spec, n) - attention_flops(spec, n)
+        matrices = prefill_flops(spec, n) - attention_flops(spec, n) - LM_HEAD
         rate = narrow if n <= 128 else wide  # 1,024 tokens: two ubatches of 512
         return matrices / (rate * 1e9) + attention_flops(spec, n) / (attn * 1e9)
 

@@ -8,11 +8,16 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..core.costs import attention_flops, mean_decode_context
+from ..core.costs import (
+    active_expert_fraction,
+    attention_flops,
+    decode_n_bytes_by_row_width,
+    mean_decode_context,
+)
 from ..core.dtypes import DTYPES
 from ..core.specs import ModelSpec
 from ..core.stats import center, relative_half_width
-from ..weights.gguf_build import nominal_decode_n_bytes, nominal_file_n_bytes
+from ..weights.gguf_build import nominal_decode_n_bytes, nominal_file_n_bytes, table_from_plan
 from .model import (
     attention_rate,
     column_scale,
@@ -23,7 +28,9 @@ from .model import (
     int_keys,
     kv_bytes,
     log_ci,
+    output_seconds,
     prefill_seconds,
+    row_scale,
 )
 from .phases import config_key
 
@@ -35,7 +42,7 @@ from .phases import config_key
 HARDWARE = {
     "apple-m2-ultra": {
         "name": "Apple M2 Ultra (76-core GPU, Metal)", "bandwidth_gb_s": 800.0,
-        "memory_gb": 192.0, "memory_note": "the largest configuration (64, 128 or 192 GB)",
+        "memory_gb": 192.0, "memory_note": "the largest of its 64, 128 and 192 GB configurations",
         "figures": {
             "f16": (40.53, 12.55, "llama.cpp PR #2891 (2023-08-30), llama 7B F16 tg64"),
             "q8_0": (61.41, 6.67, "llama.cpp PR #2891 (2023-08-30), llama 7B Q8_0 tg64"),
@@ -135,6 +142,16 @@ def estimate(mm: dict, spec: ModelSpec, dtype: str, *, threads: int | None = Non
                                                                spec, dtype, n_prompt)
 
 
+def row_width_factor(spec: ModelSpec, dtype: str, ceil: dict, threads: int) -> float:
+    """The type's streaming rate over a spec's decode matrices relative to its rate at the
+    probe's 4,096-weight rows: their bytes ÷ Σ each row width's bytes ÷ rel(width)."""
+    rel = row_scale({threads: ceil}, threads, dtype)
+    widths = decode_n_bytes_by_row_width(table_from_plan(spec, DTYPES["f32"]),
+                                         active_expert_fraction(spec))
+    total = sum(widths.values())
+    return total / sum(n / rel(k) for k, n in widths.items()) if total else 1.0
+
+
 def _no_rates() -> dict:
     return {"decode_tok_s": None, "decode_tok_s_ci95": None, "prefill_tok_s": None,
             "prefill_tok_s_ci95": None}
@@ -145,13 +162,19 @@ def _decode_estimate(mm: dict, ceil: dict, fixed: dict, threads: int, spec: Mode
     measured = next((d for d in mm.get("decode") or [] if d["threads"] == threads
                      and d["dtype"] == dtype and d.get("gb_s")), None)
     stream = ceil["stream"].get(ggml_type(dtype))
+    width = row_width_factor(spec, dtype, ceil, threads)
     if measured:
-        gb_s, spread = center(measured["gb_s"]), relative_half_width(measured["gb_s"])
+        measured_widths = [row_width_factor(ModelSpec(**mm["models"][f"{m}|{dtype}"]["spec"]),
+                                            dtype, ceil, threads)
+                           for m in measured["models"] if f"{m}|{dtype}" in mm["models"]]
+        gb_s = center(measured["gb_s"]) * width / statistics.fmean(measured_widths or [width])
+        spread = relative_half_width(measured["gb_s"])
         source = (f"{dtype} decode measured in the run ({', '.join(measured['models'])}), "
-                  "fixed cost taken out")
+                  "fixed cost taken out, carried to this model's row widths")
     elif stream:
-        gb_s, spread = stream["value"], stream["spread"]
-        source = (f"{ggml_type(dtype)}'s streaming ceiling (the run did not decode {dtype})")
+        gb_s, spread = stream["value"] * width, stream["spread"]
+        source = (f"{ggml_type(dtype)}'s streaming ceiling at this model's row widths (the "
+                  f"run did not decode {dtype})")
     else:
         return {"decode_tok_s": None, "decode_tok_s_ci95": None,
                 "decode_why": f"the run neither decoded {dtype} nor probed its streaming "
@@ -164,9 +187,11 @@ def _decode_estimate(mm: dict, ceil: dict, fixed: dict, threads: int, spec: Mode
     kv_s = max(kv_n / (kv_stream["value"] * 1e9),
                decode_attention_s({threads: ceil}, threads, spec, context + 1))
     seconds = (fixed_s or 0.0) + weights_s + kv_s
-    s = combine_spreads(spread, kv_stream.get("spread"))
-    ci = None if s is None else [1 / ((fixed_s or 0) + (weights_s + kv_s) * (1 + s)),
-                                 1 / ((fixed_s or 0) + (weights_s + kv_s) / (1 + s))]
+    # each part within its own interval: the weights' bandwidth, the cache's yardstick
+    s_w, s_kv = spread, kv_stream.get("spread")
+    ci = None if s_w is None else [
+        1 / ((fixed_s or 0) + weights_s * (1 + s_w) + kv_s * (1 + (s_kv or 0))),
+        1 / ((fixed_s or 0) + weights_s / (1 + s_w) + kv_s / (1 + (s_kv or 0)))]
     return {"decode_tok_s": 1 / seconds, "decode_tok_s_ci95": ci, "decode_gb_s": gb_s,
             "decode_gb_s_from": source, "fixed_ms": None if fixed_s is None else fixed_s * 1e3,
             "fixed_from": fixed_from, "kv_n_bytes": kv_n,
@@ -193,7 +218,8 @@ def _prefill_estimate(mm: dict, ceil: dict, threads: int, spec: ModelSpec, dtype
     attention = attention_flops(spec, n_prompt)
     n_ubatch = fits[0]["n_ubatch"] if fits else 512
     seconds = prefill_seconds(spec, n_prompt, n_ubatch, mm_gflop_s, attn_gflop_s,
-                              column_scale({threads: ceil}, threads, dtype))
+                              column_scale({threads: ceil}, threads, dtype),
+                              output_seconds(spec, dtype, {threads: ceil}, threads))
     ci = log_ci(n_prompt / seconds, spread)
     return {"prefill_tok_s": n_prompt / seconds, "prefill_tok_s_ci95": ci,
             "prefill_s": seconds, "prefill_matmul_gflop_s": mm_gflop_s,
@@ -292,7 +318,7 @@ def _workload(mm: dict, spec: ModelSpec, key: tuple, workload: tuple, pre: list[
 
 def _prefill_s(spec: ModelSpec, fit: dict, n_prompt: int, rel) -> float:
     return prefill_seconds(spec, n_prompt, fit["n_ubatch"], fit["matmul_gflop_s"],
-                           fit["attention_gflop_s"], rel)
+                           fit["attention_gflop_s"], rel, fit.get("output_s", 0.0))
 
 
 def _share_ci(prefill_s: float, decode_s: float, spread: float | None) -> list[float] | None:

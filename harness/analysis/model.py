@@ -7,7 +7,9 @@ decode, seconds per token = fixed + weight bytes ÷ B(type)
          architectures (their layers, every width tiny) and linear in the layer count;
   B(type): the bandwidth the run's decodes of that weight type achieved, the fixed cost
          taken out, round by round; for a type the run did not decode, its streaming ceiling
-         (ggml's matrix-vector kernel, probed in the run).
+         (ggml's matrix-vector kernel, probed in the run). Either is carried to a model's
+         own row widths by the probed ratio of the type's streaming rate over rows of 512
+         and 4,096 weights (a row's fixed work weighs more on short rows; estimates).
   P(decode attention): ggml's flash-attention kernel for one query against a long cache
          (a decode step of one layer), probed in the run: attention over the cache is
          arithmetic at few GFLOP/s, far more than its bytes cost (roofline: the slower of
@@ -15,12 +17,14 @@ decode, seconds per token = fixed + weight bytes ÷ B(type)
   With 3 or more sizes of one type the straight line t = a + bytes ÷ B is fitted too, by
   least squares over every round's points, and its intercept a set beside the measured fixed.
 prefill, seconds = Σ over ubatches of matrix FLOPs ÷ P(type, columns)
-                  + attention FLOPs ÷ P(attention)
+                  + attention FLOPs ÷ P(attention) + output layer bytes ÷ B(type stream)
   P(type, columns): the rate the run's shortest prompt of that type achieved, attention's
          part taken out, carried to other ubatch widths by the ratio of ggml's compute peak
          at those widths (probed at 128 and 512 columns: a narrow GEMM is slower); for a type
          the run did not prefill, its ggml compute peak;
   P(attention): ggml's flash-attention kernel at the model's head shape, probed in the run.
+  The output layer runs for the last token only: one matrix-vector product, a read of its
+  weights at the type's streaming ceiling (on F32 Qwen2.5-0.5B, 545 MB: about 20 ms).
 Estimates for configurations the run never measured derive from it (estimate()).
 """
 
@@ -44,6 +48,7 @@ from .ceilings import probe_figure
 
 KV_TYPE = "f16"  # the cache the plain rows and the estimates use
 FIT_MIN_SIZES = 3
+SHORT_ROW, LONG_ROW = 512, 4096  # the probe's streaming rows (KernelProbe.NARROW_ROW, N_COLS)
 
 
 def full_probes(probes: list[dict]) -> list[dict]:
@@ -108,7 +113,8 @@ def ceilings(probes: list[dict]) -> dict:
                                            "decode_attention": {}})
             for dtype in node.get("ggml") or {}:
                 for kind, key in (("stream", "stream_gb_s"), ("compute", "compute_gflop_s"),
-                                  ("narrow", "narrow_gflop_s")):
+                                  ("narrow", "narrow_gflop_s"),
+                                  ("short_row_stream", "shortrows_gb_s")):
                     slot.setdefault(kind, {}).setdefault(dtype, ("ggml", dtype, key))
             for kind in ("attention", "decode_attention"):
                 for shape in node.get(kind) or {}:
@@ -246,23 +252,52 @@ def column_scale(ceil: dict, threads: int, dtype: str):
     return rel
 
 
+def row_scale(ceil: dict, threads: int, dtype: str):
+    """rel(weights per row): the type's streaming rate over rows of that width relative to
+    its rate at 4,096, log-interpolated between the probed 512 and 4,096 and held flat
+    outside them (1 without a short-row probe)."""
+    slot = ceil.get(threads) or {}
+    long = (slot.get("stream") or {}).get(ggml_type(dtype))
+    short = (slot.get("short_row_stream") or {}).get(ggml_type(dtype))
+    if not long or not short:
+        return lambda n_weights: 1.0
+    low = short["value"] / long["value"]
+
+    def rel(n_weights: int) -> float:
+        x = min(max(math.log(n_weights / SHORT_ROW) / math.log(LONG_ROW / SHORT_ROW), 0.0), 1.0)
+        return low ** (1 - x)
+
+    return rel
+
+
 def matrix_units(spec: ModelSpec, n_prompt: int, n_ubatch: int, rel) -> float:
-    """A prompt's matrix FLOPs in 512-column equivalents: each ubatch's FLOPs ÷ rel(its
-    width), the output layer (last token only) with the last ubatch."""
+    """A prompt's block-matrix FLOPs (the output layer apart) in 512-column equivalents:
+    each ubatch's FLOPs ÷ rel(its width)."""
     per_token = (prefill_flops(spec, 1) - attention_flops(spec, 1)
                  - 2 * spec.hidden_size * spec.vocab_size)
     sizes = [n_ubatch] * (n_prompt // n_ubatch) + ([n_prompt % n_ubatch] if n_prompt %
                                                    n_ubatch else [])
-    units = sum(per_token * n / rel(n) for n in sizes)
-    return units + 2 * spec.hidden_size * spec.vocab_size / rel(sizes[-1])
+    return sum(per_token * n / rel(n) for n in sizes)
+
+
+def output_seconds(spec: ModelSpec, dtype: str, ceil: dict, threads: int) -> float:
+    """The output layer of a prefill: logits of the last token only, one matrix-vector
+    product over hidden × vocabulary weights, at the type's streaming ceiling for rows of
+    hidden-size weights (nominal bits per weight; 0 without a ceiling)."""
+    stream = ((ceil.get(threads) or {}).get("stream") or {}).get(ggml_type(dtype))
+    if not stream or dtype not in DTYPES:
+        return 0.0
+    n_bytes = spec.hidden_size * spec.vocab_size * DTYPES[dtype].bits_per_weight / 8
+    rate = stream["value"] * row_scale(ceil, threads, dtype)(spec.hidden_size)
+    return n_bytes / (rate * 1e9)
 
 
 def prefill_seconds(spec: ModelSpec, n_prompt: int, n_ubatch: int, mm_gflop_s: float,
-                    attn_gflop_s: float, rel) -> float:
-    """The model's prefill time: matrices at mm_gflop_s (a 512-column rate) per ubatch width,
-    attention at attn_gflop_s."""
+                    attn_gflop_s: float, rel, output_s: float = 0.0) -> float:
+    """The model's prefill time: block matrices at mm_gflop_s (a 512-column rate) per ubatch
+    width, attention at attn_gflop_s, the output layer's one matrix-vector product."""
     return (matrix_units(spec, n_prompt, n_ubatch, rel) / (mm_gflop_s * 1e9)
-            + attention_flops(spec, n_prompt) / (attn_gflop_s * 1e9))
+            + attention_flops(spec, n_prompt) / (attn_gflop_s * 1e9) + output_s)
 
 
 def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
@@ -280,14 +315,16 @@ def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
         if not attn_gflop_s:
             continue
         rel = column_scale(ceil, threads, dtype)
+        output_s = output_seconds(spec, dtype, ceil, threads)
         short = min(rows, key=lambda r: r["n_prompt"])
-        left = short["seconds"] - attention_flops(spec, short["n_prompt"]) / (attn_gflop_s * 1e9)
+        left = (short["seconds"] - output_s
+                - attention_flops(spec, short["n_prompt"]) / (attn_gflop_s * 1e9))
         if left <= 0:
             continue
         mm_gflop_s = matrix_units(spec, short["n_prompt"], short["n_ubatch"], rel) / left / 1e9
-        points = [_prefill_point(spec, r, mm_gflop_s, attn_gflop_s, rel)
+        points = [_prefill_point(spec, r, mm_gflop_s, attn_gflop_s, rel, output_s)
                   for r in sorted(rows, key=lambda r: r["n_prompt"])]
-        out.append({"model": name, "dtype": dtype, "threads": threads,
+        out.append({"model": name, "dtype": dtype, "threads": threads, "output_s": output_s,
                     "matmul_gflop_s": mm_gflop_s, "attention_gflop_s": attn_gflop_s,
                     "attention_shape": shape, "calibrated_at": short["n_prompt"],
                     "narrow_over_wide": rel(128), "n_ubatch": short["n_ubatch"],
@@ -297,12 +334,12 @@ def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
 
 
 def _prefill_point(spec: ModelSpec, row: dict, mm_gflop_s: float, attn_gflop_s: float,
-                   rel) -> dict:
+                   rel, output_s: float) -> dict:
     attention = attention_flops(spec, row["n_prompt"])
     matmul = prefill_flops(spec, row["n_prompt"]) - attention
     attention_s = attention / (attn_gflop_s * 1e9)
     predicted_s = prefill_seconds(spec, row["n_prompt"], row["n_ubatch"], mm_gflop_s,
-                                  attn_gflop_s, rel)
+                                  attn_gflop_s, rel, output_s)
     return {"n_prompt": row["n_prompt"], "id": row["id"], "matmul_gflop": matmul / 1e9,
             "attention_gflop": attention / 1e9,
             "attention_flop_share": attention / (attention + matmul),

@@ -84,6 +84,20 @@ def decode_n_bytes_by_type(table: list[TensorEntry],
     return out
 
 
+def decode_n_bytes_by_row_width(table: list[TensorEntry],
+                                expert_fraction: float = 1.0) -> dict[int, int]:
+    """The matrix bytes one decode step reads (as decode_n_bytes_by_type counts them), per
+    row width: the weights in one row, the matrix-vector product's inner dimension."""
+    names = {t.name for t in table}
+    out: dict[int, int] = {}
+    for t in table:
+        if len(t.shape) < 2 or (t.name == TOKEN_EMBEDDING and OUTPUT in names):
+            continue
+        n = round(t.n_bytes * expert_fraction) if is_expert(t.name) else t.n_bytes
+        out[t.shape[-1]] = out.get(t.shape[-1], 0) + n
+    return out
+
+
 def matmul_n_params_by_type(table: list[TensorEntry],
                             expert_fraction: float = 1.0) -> dict[str, int]:
     """Parameters of the block matrices every prompt token is multiplied by, per tensor type

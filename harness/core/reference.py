@@ -351,7 +351,10 @@ def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
     if not rows:
         return _not_measured("no workload rows: the run needs prefill and decode of one model")
     threads = max(r["threads"] for r in rows)
-    key = next((r["model"], r["dtype"]) for r in rows if r["threads"] == threads)
+    # the configuration with the most measured prompt lengths behind its rows (the page's own)
+    keys = list(dict.fromkeys((r["model"], r["dtype"]) for r in rows if r["threads"] == threads))
+    key = max(keys, key=lambda k: len({r["prefill_rate_from"] for r in rows
+                                       if (r["model"], r["dtype"]) == k}))
     main = {r["workload"].lower(): r for r in rows if (r["model"], r["dtype"]) == key
             and r["threads"] == threads}
     parts, text, missing = [], [], []

@@ -509,14 +509,17 @@ class KernelProbe:
     Streaming: one matrix-vector product over weights far larger than the last-level cache
     (what one decode step does per matrix), GB/s of weight bytes. Compute: the same weights
     times a 512-column activation (one prefill ubatch), GFLOP/s = 2 x weights x columns.
-    Weights go where llama.cpp would put them at load: its CPU repack buffer when ggml
-    supports the type there on this CPU, the plain CPU buffer otherwise.
+    Streaming runs at rows of N_COLS weights, and at NARROW_ROW for the short rows of small
+    models (a row's fixed work weighs more there). Weights go where llama.cpp would put them
+    at load: its CPU repack buffer when ggml supports the type there on this CPU, the plain
+    CPU buffer otherwise.
     """
 
     N_COLS = 4096  # a multiple of every block size (32 and the K-quants' 256)
     COMPUTE_ROWS = 1024
     COMPUTE_COLUMNS = 512
     NARROW_COLUMNS = 128  # a short prompt's ubatch: GEMM is less efficient with fewer columns
+    NARROW_ROW = 512  # a small model's hidden size: a row's fixed work weighs more on short rows
     # (queries, cached positions they attend to): a prefill ubatch, a decode step
     ATTENTION_SHAPES = {"prefill": (512, 2048), "decode": (1, 4096)}
 
@@ -560,8 +563,11 @@ class KernelProbe:
             return f"{type_name} needs an importance matrix to quantize"
         return None
 
-    def stream(self, type_name: str, n_threads: int, passes: int) -> dict:
-        mm = self._matmul(type_name, "stream")
+    def stream(self, type_name: str, n_threads: int, passes: int,
+               row_n_weights: int | None = None) -> dict:
+        """GB/s of one matrix-vector product whose rows hold row_n_weights weights (N_COLS by
+        default; a matrix's inner dimension, the hidden size for most of a model's)."""
+        mm = self._matmul(type_name, "stream", 1, row_n_weights or self.N_COLS)
         seconds = self._run(mm, n_threads, passes)
         return {"samples_gb_s": [mm.n_bytes / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
@@ -605,8 +611,10 @@ class KernelProbe:
                 out.append((time.perf_counter_ns() - start) / 1e9)
         return out
 
-    def _matmul(self, type_name: str, kind: str, n_columns: int = 1) -> _MatMul:
-        key = (type_name, kind, n_columns)
+    def _matmul(self, type_name: str, kind: str, n_columns: int = 1,
+                row_n_weights: int | None = None) -> _MatMul:
+        row_n_weights = row_n_weights or self.N_COLS
+        key = (type_name, kind, n_columns, row_n_weights)
         if key not in self._cache:
             reason = self.unsupported(type_name)
             if reason:
@@ -614,13 +622,10 @@ class KernelProbe:
             from gguf import GGMLQuantizationType
 
             type_id = GGMLQuantizationType[type_name.upper()].value
-            row = self.g.ggml_row_size(type_id, self.N_COLS)
-            if kind == "stream":
-                rows, columns = max(self.stream_n_bytes // row // 64, 1) * 64, 1
-            else:
-                stream_rows = max(self.stream_n_bytes // row // 64, 1) * 64
-                rows, columns = min(self.COMPUTE_ROWS, stream_rows), n_columns
-            self._cache[key] = self._build(type_id, rows, columns)
+            row = self.g.ggml_row_size(type_id, row_n_weights)
+            stream_rows = max(self.stream_n_bytes // row // 64, 1) * 64
+            rows = stream_rows if kind == "stream" else min(self.COMPUTE_ROWS, stream_rows)
+            self._cache[key] = self._build(type_id, rows, n_columns, row_n_weights)
         return self._cache[key]
 
     def _attention(self, shape: tuple[int, int, int], n_q: int, n_kv: int) -> _MatMul:
@@ -650,19 +655,19 @@ class KernelProbe:
             self._cache[key] = mm
         return self._cache[key]
 
-    def _build(self, type_id: int, n_rows: int, n_columns: int) -> _MatMul:
+    def _build(self, type_id: int, n_rows: int, n_columns: int, row_n_weights: int) -> _MatMul:
         bufts = [b for b in (self.repack_buft, self.cpu_buft) if b]
         for buft in bufts:
-            mm, w, x = self._allocate(type_id, n_rows, n_columns, buft)
+            mm, w, x = self._allocate(type_id, n_rows, n_columns, buft, row_n_weights)
             if buft == self.cpu_buft or self.g.ggml_backend_dev_supports_op(self.device,
                                                                             mm.graph):
                 break
             self._free(mm)  # ggml does not repack this type on this CPU: plain layout
-        weights = _weight_bytes(self.g, type_id, n_rows, self.N_COLS)
+        weights = _weight_bytes(self.g, type_id, n_rows, row_n_weights)
         self.g.ggml_backend_tensor_set(w, weights.ctypes.data, 0, weights.nbytes)
         del weights
         activation = np.random.default_rng(1).standard_normal(
-            (n_columns, self.N_COLS), dtype=np.float32)
+            (n_columns, row_n_weights), dtype=np.float32)
         self.g.ggml_backend_tensor_set(x, activation.ctypes.data, 0, activation.nbytes)
         out = mm.graph
         graph_ctx = mm.handles[-1][1]  # the activation's context holds the graph
@@ -670,25 +675,26 @@ class KernelProbe:
         self.g.ggml_build_forward_expand(mm.graph, out)
         return mm
 
-    def _allocate(self, type_id: int, n_rows: int, n_columns: int, buft: int):
+    def _allocate(self, type_id: int, n_rows: int, n_columns: int, buft: int,
+                  row_n_weights: int):
         """Weights in buft, the activation and output in the CPU buffer; graph = the product
         tensor until _build makes the graph."""
         g = self.g
         overhead = g.ggml_tensor_overhead()
         ctx_w = g.ggml_init(_GgmlInitParams(2 * overhead, None, True))
-        w = g.ggml_new_tensor_2d(ctx_w, type_id, self.N_COLS, n_rows)
+        w = g.ggml_new_tensor_2d(ctx_w, type_id, row_n_weights, n_rows)
         buf_w = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, buft)
         ctx_a = g.ggml_init(_GgmlInitParams(8 * overhead + g.ggml_graph_overhead(), None, True))
-        x = g.ggml_new_tensor_2d(ctx_a, _GGML_F32, self.N_COLS, n_columns)
+        x = g.ggml_new_tensor_2d(ctx_a, _GGML_F32, row_n_weights, n_columns)
         out = g.ggml_mul_mat(ctx_a, w, x)
         buf_a = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx_a, self.cpu_buft)
         handles = [(g.ggml_free, ctx_w), (g.ggml_backend_buffer_free, buf_w),
                    (g.ggml_backend_buffer_free, buf_a), (g.ggml_free, ctx_a)]
         if not buf_w or not buf_a:
             self._free(_MatMul(0, 0, 0, "", handles))
-            raise MemoryError(f"ggml could not allocate a {n_rows} x {self.N_COLS} probe matrix")
+            raise MemoryError(f"ggml could not allocate a {n_rows} x {row_n_weights} probe matrix")
         name = g.ggml_backend_buft_name(buft).decode()
-        flops = 2.0 * n_rows * self.N_COLS * n_columns
+        flops = 2.0 * n_rows * row_n_weights * n_columns
         return _MatMul(out, g.ggml_nbytes(w), flops, name, handles), w, x
 
     @staticmethod

@@ -135,9 +135,14 @@ def _kernels(kp, n_threads: int, dtypes: list[str], passes: dict, phases: tuple[
                           "layout": c["layout"]}
             if "narrow" in phases:
                 c = kp.compute(dtype, n_threads, passes["compute"], kp.NARROW_COLUMNS)
+                s = kp.stream(dtype, n_threads, passes["stream"], kp.NARROW_ROW)
                 entry |= {"narrow_gflop_s": max(c["samples_gflop_s"]),
                           "narrow_samples_gflop_s": c["samples_gflop_s"],
-                          "narrow_columns": kp.NARROW_COLUMNS}
+                          "narrow_columns": kp.NARROW_COLUMNS,
+                          "shortrows_gb_s": max(s["samples_gb_s"]),
+                          "shortrows_samples_gb_s": s["samples_gb_s"],
+                          "shortrows_n_weights": kp.NARROW_ROW,
+                          "row_n_weights": kp.N_COLS}
         except (MeasurementError, MemoryError) as exc:
             entry["error"] = str(exc)
         out[dtype] = entry

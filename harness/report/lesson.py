@@ -293,7 +293,7 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
                 (size_table(data), "decode_vs_bytes"),
                 (next(iter(decode_model_table(a)), None), "quant_speedup"),
                 (use_table(data), None), (figures_table(data), None),
-                (workloads_of_main(data), None), (claims_table(data), None)]
+                (workloads_of_main(data), None), (claims_table(data), "batching")]
     for table, plot in sections:
         if table is None:
             continue

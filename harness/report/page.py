@@ -291,7 +291,7 @@ def estimates_table(analysis: dict) -> list[Table]:
                         for d, (t, g, s) in HARDWARE[key]["figures"].items())
         floor = HARDWARE[key]["floor"]
         notes.append(f"{h['name']}: {h['bandwidth_gb_s']:.0f} GB/s spec sheet, "
-                     f"{h['memory_gb']:.0f} GB" + (f" ({h['memory_note']})" if h["memory_note"]
+                     f"{h['memory_gb']:.0f} GB" + (f", {h['memory_note']}" if h["memory_note"]
                                                    else "")
                      + f". Each type's share of the bandwidth from a measured llama-bench row: "
                      f"{src}." + (f" ‡ capped at {floor[0]:.0f} tok/s, the rate of a small "
@@ -351,9 +351,11 @@ def decode_model_table(analysis: dict) -> list[Table]:
     if any(r["line"] != "–" for r in rows):
         notes.append("line: seconds per token = a + bytes ÷ B fitted by least squares over "
                      "every round's point of every size (95% intervals), set beside the fixed "
-                     "cost measured on skeletons: an intercept well above it is not time that "
-                     "does not scale with bytes but bandwidth that rises with the size of the "
-                     "matrices (small matrices stream less efficiently).")
+                     "cost measured on skeletons. An intercept above that fixed cost is not "
+                     "time that does not scale with bytes: a straight line through a few sizes "
+                     "also reads as an intercept any bandwidth that differs between them (their "
+                     "matrices differ in width, and ggml's kernels stream narrow rows more "
+                     "slowly), so the estimates use the measured fixed cost instead.")
     return [Table("decode_model", "The model of decode: a fixed cost plus bytes ÷ bandwidth, "
                   "per weight type", [
                       Column("weights", "dtype"), Column("threads", "threads", "int"),
