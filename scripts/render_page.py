@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Render a report page as a course page would show it (a GitHub-like 860 px column) in
-headless Chromium: a screenshot, and every table whose width exceeds the column.
+headless Chromium: a screenshot, every table whose width exceeds the column, and every
+first-column cell whose first word (a model's name) is split over lines.
 
 Needs Debian's `chromium` and the `markdown` package (`pip install markdown`); a tool for
 looking at a page before committing it, not part of the harness.
@@ -35,6 +36,14 @@ window.addEventListener('load', () => {
   document.querySelectorAll('table').forEach((t, i) => {
     const head = t.querySelector('tr') ? t.querySelector('tr').innerText.slice(0, 60) : '';
     out.push(`${i}\\t${t.scrollWidth}\\t${t.clientWidth}\\t${head.replace(/\\s+/g, ' ')}`);
+    t.querySelectorAll('tr > td:first-child').forEach(td => {
+      // the cell's first word only (a model's name): a break at a space is fine
+      const node = td.firstChild; if (!node || node.nodeType !== 3) return;
+      const end = node.textContent.search(/\\s|$/);
+      const r = document.createRange(); r.setStart(node, 0); r.setEnd(node, end);
+      const lines = new Set([...r.getClientRects()].map(x => Math.round(x.top)));
+      if (lines.size > 1) out.push(`${i}\\twrap\\t${td.innerText.replace(/\\s+/g, ' ')}`);
+    });
   });
   const pre = document.createElement('pre'); pre.id = 'widths';
   pre.textContent = out.join('\\n'); document.body.appendChild(pre);
@@ -74,14 +83,18 @@ def main() -> int:
     finally:
         page.unlink(missing_ok=True)
     found = re.search(r'<pre id="widths">(.*?)</pre>', dom, re.S)
-    wide = 0
+    wide = wrapped = 0
     for line in (found.group(1) if found else "").splitlines():
-        i, scroll, client, head = line.split("\t", 3)
-        if int(scroll) > int(client) + 1:
+        i, scroll, client, *head = line.split("\t", 3)
+        if scroll == "wrap":
+            wrapped += 1
+            print(f"table {i}: its first column splits the first word of {client!r}")
+        elif int(scroll) > int(client) + 1:
             wide += 1
-            print(f"table {i} is {scroll} px wide in a {client} px column: {head}")
-    print(f"{args.out}: {'no table wider than the column' if not wide else f'{wide} too wide'}")
-    return 1 if wide else 0
+            print(f"table {i} is {scroll} px wide in a {client} px column: {head[0]}")
+    print(f"{args.out}: {'no table wider than the column' if not wide else f'{wide} too wide'}"
+          f", {wrapped} first words of first-column cells split")
+    return 1 if wide or wrapped else 0
 
 
 if __name__ == "__main__":

@@ -268,3 +268,13 @@ def test_the_lesson_decides_workload_balance_from_the_run():
     assert parts["chat prefill share"]["high"] == 0.5
     assert claim["verdict"] in ("holds", "does not hold", "undecided")
     assert "## Where the time goes in typical requests" in text
+
+
+def test_model_names_in_the_lesson_tables_do_not_break():
+    from harness.report.lesson import unbreakable
+
+    md = ("| model | note |\n|---|---|\n| qwen2.5-0.5b F32 | long-form chat, llama-3.2-1b |\n"
+          "prose qwen2.5-0.5b")
+    out = unbreakable(md).split("\n")
+    assert out[1] == "|---|---|" and out[3] == "prose qwen2.5-0.5b"
+    assert out[2] == "| qwen2.5\u20110.5b F32 | long-form chat, llama\u20113.2\u20111b |"

@@ -137,6 +137,13 @@ def test_short_rows_slow_the_streaming_ceiling_by_each_matrix_row_width():
     assert rel(896) < harmonic < 0.7 and "row widths" in e["decode_gb_s_from"]
     wide = estimates.estimate(mm, resolve_spec("llama-3.1-8b"), "q8_0")
     assert wide["decode_gb_s"] == pytest.approx(20.0)  # 4,096 and 14,336-wide rows
+    # a measured decode at 12 GB/s: 60% of the long-row ceiling, more of its own rows'
+    row = _decode_row("a", 2e9, [0.0024 + 2 / 12.0] * 6, dtype="q8_0") | {
+        "stream_ceiling": {"value": 20.0}}
+    entry = model.decode_model([row], _models("a", dtype="q8_0"), model.fixed_costs(probes),
+                               int_keys(mm["ceilings"]))[0]
+    assert entry["share_of_stream"] == pytest.approx(0.6, rel=1e-3)
+    assert entry["share_at_row_widths"] == pytest.approx(0.6 / harmonic, rel=1e-3)
 
 
 def test_an_estimate_refuses_what_does_not_fit_and_says_what_it_lacks():

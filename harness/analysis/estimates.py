@@ -8,16 +8,11 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..core.costs import (
-    active_expert_fraction,
-    attention_flops,
-    decode_n_bytes_by_row_width,
-    mean_decode_context,
-)
+from ..core.costs import attention_flops, mean_decode_context
 from ..core.dtypes import DTYPES
 from ..core.specs import ModelSpec
 from ..core.stats import center, relative_half_width
-from ..weights.gguf_build import nominal_decode_n_bytes, nominal_file_n_bytes, table_from_plan
+from ..weights.gguf_build import nominal_decode_n_bytes, nominal_file_n_bytes
 from .model import (
     attention_rate,
     column_scale,
@@ -30,7 +25,7 @@ from .model import (
     log_ci,
     output_seconds,
     prefill_seconds,
-    row_scale,
+    row_width_factor,
 )
 from .phases import config_key
 
@@ -140,16 +135,6 @@ def estimate(mm: dict, spec: ModelSpec, dtype: str, *, threads: int | None = Non
     return out | _decode_estimate(mm, ceil[threads], fixed, threads, spec, dtype, decode_n,
                                   context) | _prefill_estimate(mm, ceil[threads], threads,
                                                                spec, dtype, n_prompt)
-
-
-def row_width_factor(spec: ModelSpec, dtype: str, ceil: dict, threads: int) -> float:
-    """The type's streaming rate over a spec's decode matrices relative to its rate at the
-    probe's 4,096-weight rows: their bytes ÷ Σ each row width's bytes ÷ rel(width)."""
-    rel = row_scale({threads: ceil}, threads, dtype)
-    widths = decode_n_bytes_by_row_width(table_from_plan(spec, DTYPES["f32"]),
-                                         active_expert_fraction(spec))
-    total = sum(widths.values())
-    return total / sum(n / rel(k) for k, n in widths.items()) if total else 1.0
 
 
 def _no_rates() -> dict:

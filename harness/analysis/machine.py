@@ -35,7 +35,8 @@ def _figures(*probes: dict | None) -> list[tuple[int, tuple[str, ...]]]:
                 if node.get(key):
                     out[(int(t), (key,))] = None
             for dtype, entry in (node.get("ggml") or {}).items():
-                for key in ("stream_gb_s", "compute_gflop_s"):
+                for key in ("stream_gb_s", "shortrows_gb_s", "compute_gflop_s",
+                            "narrow_gflop_s"):
                     if entry.get(key):
                         out[(int(t), ("ggml", dtype, key))] = None
     return sorted(out, key=lambda k: (k[0], len(k[1]), k[1]))

@@ -36,7 +36,9 @@ import statistics
 from scipy import stats as sps
 
 from ..core.costs import (
+    active_expert_fraction,
     attention_flops,
+    decode_n_bytes_by_row_width,
     kv_n_bytes_per_token,
     mean_decode_context,
     prefill_flops,
@@ -44,6 +46,7 @@ from ..core.costs import (
 from ..core.dtypes import DTYPES
 from ..core.specs import ModelSpec
 from ..core.stats import center, relative_half_width, row_blocks, summarize
+from ..weights.gguf_build import table_from_plan
 from .ceilings import probe_figure
 
 KV_TYPE = "f16"  # the cache the plain rows and the estimates use
@@ -160,6 +163,13 @@ def decode_model(decode: list[dict], models: dict, fixed: dict, ceil: dict | Non
         entry["stream_ceiling_gb_s"] = _median([r["stream_ceiling"]["value"] for r in rows])
         if entry.get("gb_s") and entry["stream_ceiling_gb_s"]:
             entry["share_of_stream"] = center(entry["gb_s"]) / entry["stream_ceiling_gb_s"]
+            # the same against the ceiling over these models' own row widths (short rows
+            # stream more slowly: what the estimates carry to other models)
+            slot = (ceil or {}).get(threads)
+            if slot and slot.get("short_row_stream", {}).get(ggml_type(dtype)):
+                width = statistics.fmean(row_width_factor(s, dtype, slot, threads)
+                                         for s in specs.values())
+                entry["share_at_row_widths"] = entry["share_of_stream"] / width
         if len({r["bytes_per_token"] for r in rows}) >= FIT_MIN_SIZES:
             entry["line"] = line_fit(rows)
         out.append(entry)
@@ -235,39 +245,45 @@ def attention_rate(ceil: dict, threads: int, spec: ModelSpec, kind: str = "atten
     return probed[near]["value"], near
 
 
+def _probed_ratio(ceil: dict, threads: int, dtype: str, kinds: tuple[str, str],
+                  span: tuple[int, int]):
+    """rel(n): the type's rate at size n relative to its rate at span[1], log-interpolated
+    between the probes at span[0] (kinds[1]) and span[1] (kinds[0]), flat outside them;
+    1 where either probe is missing."""
+    slot = ceil.get(threads) or {}
+    full, small = ((slot.get(k) or {}).get(ggml_type(dtype)) for k in kinds)
+    if not full or not small:
+        return lambda n: 1.0
+    low, (lo, hi) = small["value"] / full["value"], span
+
+    def rel(n: int) -> float:
+        return low ** (1 - min(max(math.log(n / lo) / math.log(hi / lo), 0.0), 1.0))
+
+    return rel
+
+
 def column_scale(ceil: dict, threads: int, dtype: str):
     """rel(columns): the type's compute rate at a ubatch of that many columns relative to
     its rate at 512, log-interpolated between the probed 128 and 512 (1 without a probe)."""
-    slot = ceil.get(threads) or {}
-    wide = (slot.get("compute") or {}).get(ggml_type(dtype))
-    narrow = (slot.get("narrow") or {}).get(ggml_type(dtype))
-    if not wide or not narrow:
-        return lambda columns: 1.0
-    low = narrow["value"] / wide["value"]
-
-    def rel(columns: int) -> float:
-        x = min(max(math.log(columns / 128) / math.log(4), 0.0), 1.0)
-        return low ** (1 - x)
-
-    return rel
+    return _probed_ratio(ceil, threads, dtype, ("compute", "narrow"), (128, 512))
 
 
 def row_scale(ceil: dict, threads: int, dtype: str):
     """rel(weights per row): the type's streaming rate over rows of that width relative to
     its rate at 4,096, log-interpolated between the probed 512 and 4,096 and held flat
     outside them (1 without a short-row probe)."""
-    slot = ceil.get(threads) or {}
-    long = (slot.get("stream") or {}).get(ggml_type(dtype))
-    short = (slot.get("short_row_stream") or {}).get(ggml_type(dtype))
-    if not long or not short:
-        return lambda n_weights: 1.0
-    low = short["value"] / long["value"]
+    return _probed_ratio(ceil, threads, dtype, ("stream", "short_row_stream"),
+                         (SHORT_ROW, LONG_ROW))
 
-    def rel(n_weights: int) -> float:
-        x = min(max(math.log(n_weights / SHORT_ROW) / math.log(LONG_ROW / SHORT_ROW), 0.0), 1.0)
-        return low ** (1 - x)
 
-    return rel
+def row_width_factor(spec: ModelSpec, dtype: str, ceil: dict, threads: int) -> float:
+    """The type's streaming rate over a spec's decode matrices relative to its rate at the
+    probe's 4,096-weight rows: their bytes ÷ Σ each row width's bytes ÷ rel(width)."""
+    rel = row_scale({threads: ceil}, threads, dtype)
+    widths = decode_n_bytes_by_row_width(table_from_plan(spec, DTYPES["f32"]),
+                                         active_expert_fraction(spec))
+    total = sum(widths.values())
+    return total / sum(n / rel(k) for k, n in widths.items()) if total else 1.0
 
 
 def matrix_units(spec: ModelSpec, n_prompt: int, n_ubatch: int, rel) -> float:

@@ -320,8 +320,9 @@ def _point_reasons(group: list[dict]) -> list[str]:
 
 
 def _cv_range(rows: list[dict]) -> str:
-    cvs = sorted(r["tok_s"]["cv"] for r in rows)
-    return f"{cvs[0]:.0%}" if len(cvs) == 1 else f"{cvs[0]:.0%}–{cvs[-1]:.0%}"
+    lo, hi = (f"{r['tok_s']['cv']:.0%}" for r in (min(rows, key=lambda r: r["tok_s"]["cv"]),
+                                                   max(rows, key=lambda r: r["tok_s"]["cv"])))
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def same_speed_reasons(group: list[dict]) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..core.stats import center
+from ..levers.common import threads_label
 
 GB = 1e9
 
@@ -184,22 +185,29 @@ def _attention_clause(a: dict, long: dict) -> str:
 
 def _model_finding(a: dict) -> list[str]:
     """The decode model per weight type: its fixed cost and achieved bandwidth."""
-    parts = []
-    for d in (a.get("machine_model") or {}).get("decode") or []:
-        if not d.get("gb_s"):
-            continue
-        fixed = max(d["fixed_s"].values()) * 1e3
+    rows = [d for d in (a.get("machine_model") or {}).get("decode") or [] if d.get("gb_s")]
+    if not rows:
+        return []
+    several = len({d["threads"] for d in rows}) > 1
+    parts, shares = [], []
+    for d in rows:
         share = (f", {d['share_of_stream']:.0%} of its streaming ceiling"
                  if d.get("share_of_stream") else "")
+        if d.get("share_at_row_widths"):
+            share += f" ({d['share_at_row_widths']:.0%} at the models' own row widths)"
+        shares += [d.get("share_of_stream") or 0, d.get("share_at_row_widths") or 0]
         ci = d["gb_s"].get("median_ci95")
-        parts.append(f"{d['dtype'].upper()} {center(d['gb_s']):.1f}"
+        parts.append(f"{d['dtype'].upper()}"
+                     + (f" at {threads_label(d['threads'])}" if several else "")
+                     + f" {center(d['gb_s']):.1f}"
                      + (f" [{ci[0]:.1f}–{ci[1]:.1f}]" if ci else "") + f" GB/s{share}")
-        last_fixed = fixed
-    if not parts:
-        return []
+    fixed = max(v for d in rows for v in d["fixed_s"].values()) * 1e3
+    above = (" A share above 100%: decode ran faster than ggml's kernel did on the probe's "
+             "matrix beside it (the tables below say where)." if max(shares) > 1 else "")
     return ["Per weight type, decode ran at " + "; ".join(parts) + " once the fixed cost of "
-            f"a step (up to {last_fixed:.2f} ms here, timed on skeletons of the same layers) is "
-            "taken out: the run's model of its machine, which the estimates below use."]
+            f"a step (up to {fixed:.2f} ms here, timed on skeletons of the same layers) is "
+            "taken out: the run's model of its machine, which the estimates below use."
+            + above]
 
 
 def _quant_finding(a: dict) -> list[str]:

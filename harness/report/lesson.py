@@ -7,6 +7,8 @@ on this machine, estimates, and the diagnostics last. Every sentence is computed
 
 from __future__ import annotations
 
+import re
+
 from ..core.reference import check_claims
 from ..core.stats import center, inverse
 from ..levers.common import threads_label
@@ -297,11 +299,11 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
     for table, plot in sections:
         if table is None:
             continue
-        out += [markdown_table(table).replace("### ", "## ", 1), ""]
+        out += [unbreakable(markdown_table(table).replace("### ", "## ", 1)), ""]
         out += _plot(plot, plots)
     est = estimates_table(data["analysis"])
     if est:
-        head, _, rest = markdown_table(est[0]).partition("\n")
+        head, _, rest = unbreakable(markdown_table(est[0])).partition("\n")
         out += ["## Your machine against others (estimates: decode tok/s)", rest, ""]
     out += ["## Method", "", method_text(data["records"]), "", "## Environment", "",
             *env_lines(env), "",
@@ -311,6 +313,20 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
         out += [markdown_table(table), ""]
     out += _plot("decode_per_token", plots)
     return "\n".join(out)
+
+
+MODEL_NAME = re.compile(r"\b[A-Za-z][A-Za-z0-9.]*(?:-[A-Za-z0-9.]+)+\b")
+
+
+def unbreakable(table_md: str) -> str:
+    """A table's model names (hyphenated words with a digit: qwen2.5-0.5b) with non-breaking
+    hyphens (U+2011, the same glyph), so a narrow column of an 860 px page never splits one."""
+    def name(m: re.Match) -> str:
+        word = m.group(0)
+        return word.replace("-", "\u2011") if any(c.isdigit() for c in word) else word
+
+    return "\n".join(MODEL_NAME.sub(name, line) if line.startswith("|") else line
+                      for line in table_md.split("\n"))
 
 
 def _plot(name: str | None, plots: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ from ..analysis.estimates import HARDWARE
 from ..core.reference import check_claims, reference_from_header
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
+from ..levers.common import threads_label
 from ..render.tabular import (
     GIB,
     Column,
@@ -130,7 +131,9 @@ def _missing_ceiling_notes(rows: list[dict]) -> list[str]:
 
 CEILING_NAMES = {"read_gb_s": "numpy read GB/s", "copy_gb_s": "numpy copy GB/s",
                  "matmul_gflop_s": "numpy SGEMM GFLOP/s", "stream_gb_s": "streaming GB/s",
-                 "compute_gflop_s": "compute GFLOP/s"}
+                 "compute_gflop_s": "compute GFLOP/s",
+                 "shortrows_gb_s": "streaming GB/s, rows of 512",
+                 "narrow_gflop_s": "compute GFLOP/s, 128 columns"}
 
 
 def ceilings_table(analysis: dict) -> Table:
@@ -150,8 +153,10 @@ def ceilings_table(analysis: dict) -> Table:
              "matrix of each weight type, with its weights where llama.cpp puts them at load "
              "(CPU_REPACK: the repacked layout llama.cpp uses for some quantized types on this "
              "CPU; CPU: the plain layout). Streaming = one matrix-vector product over a matrix "
-             "far larger than the cache (GB/s of weight bytes); compute = the same kind of "
-             "matrix times a 512-column activation. Beside: the range of the short probes "
+             "far larger than the cache (GB/s of weight bytes), over rows of 4,096 weights "
+             "(and of 512: a small model's short rows); compute = the same kind of matrix "
+             "times a 512-column activation (and a 128-column one: a short prompt's "
+             "ubatch). Beside: the range of the short probes "
              "taken before each round (how many in brackets)."]
     notes += [f"Probe failed: {e}; that ceiling is missing." for e in analysis["probe_errors"]]
     notes += stability_lines(analysis.get("stability") or {})
@@ -272,11 +277,11 @@ def estimates_table(analysis: dict) -> list[Table]:
         rows.append(row)
     notes = [
         "Estimates, not measurements (the run's own measurements are in the tables above). "
-        "This machine: tok/s = 1 ÷ (fixed cost + bytes ÷ the weight type's bandwidth), the "
-        "run's model of its machine at an empty cache; the interval carries the bandwidth's "
-        "95% interval. † the run did not decode this type: its streaming ceiling stands in "
-        "for the bandwidth, an upper estimate (decode reached "
-        f"{_share_range(analysis)} of it for the types the run did decode).",
+        "This machine: tok/s = 1 ÷ (fixed cost + bytes ÷ the weight type's bandwidth at the "
+        "model's row widths), the run's model of its machine at an empty cache; the interval "
+        "carries the bandwidth's 95% interval. † the run did not decode this type: its "
+        "streaming ceiling at the model's row widths stands in for the bandwidth"
+        f"{_share_range(analysis)}.",
         "* nominal bytes: every matrix at the base type's bits per weight (llama.cpp's recipes "
         "keep some tensors at other types, so real files are somewhat larger); no star: the "
         "run built the file and read its tensor table.",
@@ -309,9 +314,10 @@ def _share_range(analysis: dict) -> str:
     shares = [d["share_of_stream"] for d in (analysis.get("machine_model") or {}).get("decode")
               or [] if d.get("share_of_stream")]
     if not shares:
-        return "an unmeasured share"
+        return ""
     lo, hi = min(shares), max(shares)
-    return f"{lo:.0%}" if abs(hi - lo) < 0.005 else f"{lo:.0%}–{hi:.0%}"
+    span = f"{lo:.0%}" if abs(hi - lo) < 0.005 else f"{lo:.0%}–{hi:.0%}"
+    return f" (the types the run did decode reached {span} of their ceiling)"
 
 
 def decode_model_table(analysis: dict) -> list[Table]:
@@ -326,11 +332,12 @@ def decode_model_table(analysis: dict) -> list[Table]:
         fixed_ms = sorted(v * 1e3 for v in d["fixed_s"].values())
         line = d.get("line") or {}
         rows.append({
-            "dtype": d["dtype"].upper(), "threads": d["threads"],
+            "dtype": f"{d['dtype'].upper()}, {threads_label(d['threads'])}",
             "models": ", ".join(d["models"]),
             "fixed": (f"{fixed_ms[0]:.2f}" if fixed_ms[0] == fixed_ms[-1] else
                       f"{fixed_ms[0]:.2f}–{fixed_ms[-1]:.2f}") if any(fixed_ms) else "–",
             "gb_s": d["gb_s"], "share": d.get("share_of_stream"),
+            "share_rows": d.get("share_at_row_widths"),
             "residuals": ", ".join(f"{r['measured_over_model']:.2f}" for r in d["residuals"]),
             "line": (f"{line['intercept_ms']:.1f} [{line['intercept_ci_ms'][0]:.1f}–"
                      f"{line['intercept_ci_ms'][1]:.1f}] ms + bytes ÷ {line['gb_s']:.1f} GB/s"
@@ -346,7 +353,10 @@ def decode_model_table(analysis: dict) -> list[Table]:
                  else "no decode-attention probe in this run") + "), "
              "pooled over the type's models in each round, the median over "
              "rounds with its 95% interval; share: of ggml's streaming ceiling for the type "
-             "(its matrix-vector kernel on a large matrix, probed in the run); residual: each "
+             "(its matrix-vector kernel on a large matrix of rows of 4,096 weights, probed in "
+             "the run); at its rows: of the same kernel over the models' own row widths "
+             "(probed at rows of 512 and 4,096 weights and interpolated: a short row streams "
+             "more slowly), the yardstick the estimates carry to other models; residual: each "
              "model's measured ÷ modelled speed, in the order listed."]
     if any(r["line"] != "–" for r in rows):
         notes.append("line: seconds per token = a + bytes ÷ B fitted by least squares over "
@@ -358,10 +368,11 @@ def decode_model_table(analysis: dict) -> list[Table]:
                      "slowly), so the estimates use the measured fixed cost instead.")
     return [Table("decode_model", "The model of decode: a fixed cost plus bytes ÷ bandwidth, "
                   "per weight type", [
-                      Column("weights", "dtype"), Column("threads", "threads", "int"),
+                      Column("weights", "dtype"),
                       Column("models", "models"), Column("fixed ms", "fixed"),
                       Column("bandwidth GB/s", "gb_s", "stat"),
                       Column("share of ceiling", "share", "pct"),
+                      Column("at its rows", "share_rows", "pct"),
                       Column("residuals", "residuals"), Column("line", "line")], rows, notes)]
 
 
