@@ -35,16 +35,21 @@ def models(ctx: click.Context, as_json: bool) -> None:
 @click.argument("config")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Spec file to write (default: models/NAME.yaml).")
-@click.option("--name", help="Spec name (default: from the repo id or folder).")
+@click.option("--name", help="Spec name (default: from the repo id, folder or file).")
 @click.option("--force", is_flag=True, help="Overwrite an existing spec file.")
 def models_import(config: str, out: Path | None, name: str | None, force: bool) -> None:
-    """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id)."""
+    """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id) or from a
+    GGUF file's header (offline)."""
     from .core.specs import models_dir
     from .engine.build import write_text_atomically
+    from .weights.gguf_inspect import is_gguf, spec_from_gguf
     from .weights.hfimport import load_config, render_spec_yaml, spec_dict_from_config
 
-    data, default_name, source = load_config(config)
-    spec = spec_dict_from_config(data, name or default_name, source, config)
+    if is_gguf(Path(config)):
+        spec = spec_from_gguf(Path(config), name or Path(config).stem.lower()).to_dict()
+    else:
+        data, default_name, source = load_config(config)
+        spec = spec_dict_from_config(data, name or default_name, source, config)
     out = out or models_dir() / f"{spec['name']}.yaml"
     if out.exists() and not force:
         raise HarnessError("spec file exists already", source=str(out),

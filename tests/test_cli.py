@@ -218,3 +218,47 @@ def test_estimate_says_a_model_does_not_fit_and_lists_hardware(run_cli):
 ])
 def test_estimate_bad_input_is_one_line(run_cli, args, needles):
     assert_user_error(run_cli(*args), *needles)
+
+
+TINY_ARCHS = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
+              "tiny-phi3", "tiny-granitemoe", "tiny-olmoe", "tiny-qwen2moe", "tiny-qwen3moe",
+              "tiny-mixtral"]
+
+
+@pytest.mark.parametrize("name", TINY_ARCHS)
+def test_import_of_a_gguf_header_gives_back_the_spec_it_was_built_from(run_cli, tmp_path,
+                                                                       name):
+    from harness.core.dtypes import DTYPES
+    from harness.engine.build import build
+    from harness.weights.gguf_build import table_from_plan
+    from harness.weights.gguf_inspect import tensor_table
+
+    spec = resolve_spec(name)
+    path = build(spec, DTYPES["f32"], 0, directory=tmp_path).path
+    out = tmp_path / "spec.yaml"
+    r = run_cli("models", "import", str(path), "-o", str(out), "--name", name)
+    assert r.exit_code == 0, r.stderr
+    imported = load_spec_file(out)
+    # the same tensors (names, shapes, types, bytes) and every hyper-parameter the file holds
+    assert table_from_plan(imported, DTYPES["f32"]) == tensor_table(path)
+    for field in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+                  "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+                  "head_dim", "rope_theta", "tie_word_embeddings", "attention_bias"):
+        assert getattr(imported, field) == getattr(spec, field), field
+    assert imported.expert_width == spec.expert_width
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling"):  # Granite's scales, 1.0 where a spec leaves them unset
+        assert (getattr(imported, field) or 1.0) == (getattr(spec, field) or 1.0), field
+
+
+def test_import_of_a_gguf_of_an_unknown_architecture_is_one_line(run_cli, tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mamba.gguf"
+    w = GGUFWriter(str(path), "mamba")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    r = run_cli("models", "import", str(path), "-o", str(tmp_path / "m.yaml"))
+    assert_user_error(r, "'mamba' is not supported", "supported: qwen2")
+    assert not (tmp_path / "m.yaml").exists()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFReader
+import numpy as np
+from gguf import GGUFReader, Keys
 
 from ..core.costs import TensorEntry
 from ..core.errors import HarnessError
@@ -27,36 +28,81 @@ def _field(reader: GGUFReader, key: str, default=None):
     return value
 
 
-def spec_from_gguf(path: Path) -> ModelSpec:
-    """The architecture a GGUF file holds, as a ModelSpec (refusing unsupported ones)."""
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether a file starts with GGUF's magic bytes (told apart from a config.json)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
+    """The architecture a GGUF file holds, as a ModelSpec, from its header alone: shapes,
+    experts, sliding window, soft-capping and Granite's scales (refusing unsupported ones)."""
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHS:
         raise HarnessError(f"GGUF architecture {arch!r} is not supported", source=str(path),
                            fix="supported: " + ", ".join(ARCHS))
     names = {t.name: t for t in reader.tensors}
+
+    def key(k: str, default=None):
+        return _field(reader, k.format(arch=arch), default)
+
     try:
-        hidden = int(_field(reader, f"{arch}.embedding_length"))
-        heads = int(_field(reader, f"{arch}.attention.head_count"))
-        embd = names["token_embd.weight"]
-        return ModelSpec(
-            name=path.stem, architecture=arch, hidden_size=hidden,
-            num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-            intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-            vocab_size=int(embd.shape[-1]),
+        hidden = int(key(Keys.LLM.EMBEDDING_LENGTH))
+        heads = int(key(Keys.Attention.HEAD_COUNT))
+        fields = dict(
+            name=name or path.stem, architecture=arch, hidden_size=hidden,
+            num_hidden_layers=int(key(Keys.LLM.BLOCK_COUNT)), num_attention_heads=heads,
+            num_key_value_heads=int(key(Keys.Attention.HEAD_COUNT_KV, heads)),
+            intermediate_size=int(key(Keys.LLM.FEED_FORWARD_LENGTH)),
+            vocab_size=int(names["token_embd.weight"].shape[-1]),
             tie_word_embeddings="output.weight" not in names,
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-            max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+            rope_theta=_f32(key(Keys.Rope.FREQ_BASE, 10000.0)),
+            rms_norm_eps=_f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+            max_position_embeddings=int(key(Keys.LLM.CONTEXT_LENGTH, 4096)),
             attention_bias="blk.0.attn_q.bias" in names,
-            head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-            source=str(path),
-        )
+            head_dim=int(key(Keys.Attention.KEY_LENGTH, hidden // heads)), source=str(path))
+        fields |= _optional_hparams(key, ARCHS[arch], fields["intermediate_size"])
+        return ModelSpec(**fields)
     except (TypeError, KeyError, ValueError) as exc:
         raise HarnessError(f"GGUF metadata incomplete ({exc})", source=str(path),
                            fix="pass a GGUF converted by llama.cpp") from None
+
+
+def _f32(value) -> float:
+    """A GGUF float32 as the decimal it was written from (0.22, not 0.2199999988)."""
+    return float(str(np.float32(value)))
+
+
+def _optional_hparams(key, arch, ffn: int) -> dict:
+    """Experts (the expert width where the architecture has its own key), the window,
+    soft-capping and Granite's four scales, as the builder writes them."""
+    out: dict = {}
+    for field, k, kind in (
+            ("sliding_window", Keys.Attention.SLIDING_WINDOW, int),
+            ("attn_logit_softcapping", Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _f32),
+            ("final_logit_softcapping", Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _f32),
+            ("num_experts", Keys.LLM.EXPERT_COUNT, int),
+            ("num_experts_per_tok", Keys.LLM.EXPERT_USED_COUNT, int),
+            ("shared_expert_intermediate_size", Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
+             int)):
+        if (value := key(k)) is not None:
+            out[field] = kind(value)
+    if out.get("num_experts") and arch.expert_ff_key:
+        out["moe_intermediate_size"] = int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, ffn))
+    if arch.multipliers:
+        out |= {field: _f32(key(k, 1.0)) for field, k in (
+            ("embedding_multiplier", Keys.LLM.EMBEDDING_SCALE),
+            ("residual_multiplier", Keys.LLM.RESIDUAL_SCALE),
+            ("attention_multiplier", Keys.Attention.SCALE),
+            ("logits_scaling", Keys.LLM.LOGIT_SCALE))}
+    return out
 
 
 def tensor_table(path: Path) -> list[TensorEntry]:
