@@ -149,10 +149,7 @@ def _decode_estimate(mm: dict, ceil: dict, fixed: dict, threads: int, spec: Mode
     stream = ceil["stream"].get(ggml_type(dtype))
     width = row_width_factor(spec, dtype, ceil, threads)
     if measured:
-        measured_widths = [row_width_factor(ModelSpec(**mm["models"][f"{m}|{dtype}"]["spec"]),
-                                            dtype, ceil, threads)
-                           for m in measured["models"] if f"{m}|{dtype}" in mm["models"]]
-        gb_s = center(measured["gb_s"]) * width / statistics.fmean(measured_widths or [width])
+        gb_s = center(measured["gb_s"]) * width / measured.get("row_width_factor", 1.0)
         spread = relative_half_width(measured["gb_s"])
         source = (f"{dtype} decode measured in the run ({', '.join(measured['models'])}), "
                   "fixed cost taken out, carried to this model's row widths")

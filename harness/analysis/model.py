@@ -160,16 +160,18 @@ def decode_model(decode: list[dict], models: dict, fixed: dict, ceil: dict | Non
                  "fixed_from": {m: fixed_seconds(fixed, threads, s)[1]
                                 for m, s in specs.items()}}
         entry |= _achieved(rows, {m: fixed_by[m] + attention_by[m] for m in fixed_by})
+        # the mean of the models' row-width factors: what the estimates carry B(type) from
+        slot = (ceil or {}).get(threads) or {}
+        entry["row_width_factor"] = statistics.fmean(
+            row_width_factor(s, dtype, slot, threads) for s in specs.values())
         entry["stream_ceiling_gb_s"] = _median([r["stream_ceiling"]["value"] for r in rows])
         if entry.get("gb_s") and entry["stream_ceiling_gb_s"]:
             entry["share_of_stream"] = center(entry["gb_s"]) / entry["stream_ceiling_gb_s"]
             # the same against the ceiling over these models' own row widths (short rows
             # stream more slowly: what the estimates carry to other models)
-            slot = (ceil or {}).get(threads)
-            if slot and slot.get("short_row_stream", {}).get(ggml_type(dtype)):
-                width = statistics.fmean(row_width_factor(s, dtype, slot, threads)
-                                         for s in specs.values())
-                entry["share_at_row_widths"] = entry["share_of_stream"] / width
+            if slot.get("short_row_stream", {}).get(ggml_type(dtype)):
+                entry["share_at_row_widths"] = (entry["share_of_stream"]
+                                                / entry["row_width_factor"])
         if len({r["bytes_per_token"] for r in rows}) >= FIT_MIN_SIZES:
             entry["line"] = line_fit(rows)
         out.append(entry)

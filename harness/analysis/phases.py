@@ -320,8 +320,8 @@ def _point_reasons(group: list[dict]) -> list[str]:
 
 
 def _cv_range(rows: list[dict]) -> str:
-    lo, hi = (f"{r['tok_s']['cv']:.0%}" for r in (min(rows, key=lambda r: r["tok_s"]["cv"]),
-                                                   max(rows, key=lambda r: r["tok_s"]["cv"])))
+    cvs = sorted(r["tok_s"]["cv"] for r in rows)
+    lo, hi = f"{cvs[0]:.0%}", f"{cvs[-1]:.0%}"
     return lo if lo == hi else f"{lo}–{hi}"
 
 

@@ -73,25 +73,30 @@ def decode_n_bytes_by_type(table: list[TensorEntry],
     the routed experts, of which ggml's mul_mat_id reads only the chosen ones: expert_fraction
     of them (k/E for one token, expert_union_fraction for several).
     """
-    names = {t.name for t in table}
+    looked_up = _looked_up(table)
     out: dict[str, int] = {}
     for t in table:
-        n = t.n_bytes // max(t.n_rows, 1) if (t.name == TOKEN_EMBEDDING
-                                               and OUTPUT in names) else t.n_bytes
+        n = t.n_bytes // max(t.n_rows, 1) if t.name in looked_up else t.n_bytes
         if is_expert(t.name):
             n = round(n * expert_fraction)
         out[t.type_name.lower()] = out.get(t.type_name.lower(), 0) + n
     return out
 
 
+def _looked_up(table: list[TensorEntry]) -> set[str]:
+    """The token embedding where it is a lookup of one row (an output layer of its own)."""
+    return {TOKEN_EMBEDDING} if any(t.name == OUTPUT for t in table) else set()
+
+
 def decode_n_bytes_by_row_width(table: list[TensorEntry],
                                 expert_fraction: float = 1.0) -> dict[int, int]:
-    """The matrix bytes one decode step reads (as decode_n_bytes_by_type counts them), per
-    row width: the weights in one row, the matrix-vector product's inner dimension."""
-    names = {t.name for t in table}
+    """The matrix bytes one decode step multiplies by the token's vector (as
+    decode_n_bytes_by_type counts them, the embedding's lookup apart), per row width: the
+    weights in one row, the matrix-vector product's inner dimension."""
+    looked_up = _looked_up(table)
     out: dict[int, int] = {}
     for t in table:
-        if len(t.shape) < 2 or (t.name == TOKEN_EMBEDDING and OUTPUT in names):
+        if len(t.shape) < 2 or t.name in looked_up:
             continue
         n = round(t.n_bytes * expert_fraction) if is_expert(t.name) else t.n_bytes
         out[t.shape[-1]] = out.get(t.shape[-1], 0) + n

@@ -567,7 +567,7 @@ class KernelProbe:
                row_n_weights: int | None = None) -> dict:
         """GB/s of one matrix-vector product whose rows hold row_n_weights weights (N_COLS by
         default; a matrix's inner dimension, the hidden size for most of a model's)."""
-        mm = self._matmul(type_name, "stream", 1, row_n_weights or self.N_COLS)
+        mm = self._matmul(type_name, "stream", 1, row_n_weights)
         seconds = self._run(mm, n_threads, passes)
         return {"samples_gb_s": [mm.n_bytes / s / 1e9 for s in seconds],
                 "n_bytes": mm.n_bytes, "layout": mm.layout}
