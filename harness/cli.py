@@ -45,7 +45,7 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
     from .weights.gguf_inspect import is_gguf, spec_from_gguf
     from .weights.hfimport import load_config, render_spec_yaml, spec_dict_from_config
 
-    if is_gguf(Path(config)):
+    if is_gguf(Path(config)) or Path(config).suffix == ".gguf":  # a missing .gguf: said so
         spec = spec_from_gguf(Path(config), name or Path(config).stem.lower()).to_dict()
     else:
         data, default_name, source = load_config(config)

@@ -262,3 +262,5 @@ def test_import_of_a_gguf_of_an_unknown_architecture_is_one_line(run_cli, tmp_pa
     r = run_cli("models", "import", str(path), "-o", str(tmp_path / "m.yaml"))
     assert_user_error(r, "'mamba' is not supported", "supported: qwen2")
     assert not (tmp_path / "m.yaml").exists()
+    r = run_cli("models", "import", str(tmp_path / "absent.gguf"), "-o", str(tmp_path / "m.yaml"))
+    assert_user_error(r, "absent.gguf", "cannot read the GGUF file")
