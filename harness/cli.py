@@ -153,6 +153,60 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
 
 
 @cli.command()
+@click.argument("real", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Run directory (default: reports/runs/twin-STEM-TIMESTAMP).")
+@click.option("--threads", default="auto", show_default=True,
+              help="Threads: a count, or auto (the physical cores).")
+@click.option("--prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Prompt tokens prefilled per repetition.")
+@click.option("--generate", default=64, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Tokens decoded per repetition.")
+@click.option("--repetitions", default="auto", show_default=True,
+              help="Rounds: a count, or auto (until twin ÷ real is within --target-ci).")
+@click.option("--min-repetitions", default=10, show_default=True, type=click.IntRange(3, 1000))
+@click.option("--max-repetitions", default=40, show_default=True, type=click.IntRange(3, 1000))
+@click.option("--target-ci", default=0.01, show_default=True, type=click.FloatRange(0.001, 1),
+              help="auto: stop when the 95% intervals of twin ÷ real are within ±this.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+@click.pass_context
+def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt: int,
+         generate: int, repetitions: str, min_repetitions: int, max_repetitions: int,
+         target_ci: float, cache_dir: Path | None) -> None:
+    """Time REAL (a GGUF file) beside its random-weight twin: twin ÷ real per phase."""
+    from .engine.build import check_gguf_file, write_text_atomically
+    from .engine.scenario import twin_scenario_text
+
+    check_gguf_file(real)
+    threads_value = threads if threads == "auto" else _whole(threads, "--threads")
+    reps = repetitions if repetitions == "auto" else _whole(repetitions, "--repetitions")
+    text = twin_scenario_text(real, threads_value, prompt, generate, reps, min_repetitions,
+                              max_repetitions, target_ci)
+    run_dir = out or default_run_dir(f"twin-{real.stem}", False)
+    scenario = run_dir / "twin.yaml"
+    if scenario.exists() and scenario.read_text() != text:
+        raise HarnessError("the run directory holds another twin scenario", source=str(run_dir),
+                           fix="choose another --out")
+    write_text_atomically(scenario, text)
+    ctx.invoke(run, scenario=scenario, out=run_dir, resume=False, strict=False,
+               cache_dir=cache_dir, ray_address=None, nodes=(), relabel=False)
+    from .engine.results import read_records
+    from .levers.twins import twin_sentence
+    from .report.analyze import analyze_records
+
+    for row in analyze_records(read_records(run_dir / "results.jsonl")).get("twins") or []:
+        click.echo(twin_sentence(row))
+
+
+def _whole(value: str, key: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise HarnessError(f"expected a whole number or auto, got {value!r}", key=key,
+                           fix=f"write {key} auto or a count such as 10")
+    return int(value)
+
+
+@cli.command()
 @click.argument("scenario", type=click.Path(path_type=Path))
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")

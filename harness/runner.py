@@ -31,7 +31,7 @@ from .engine.build import (
     file_sha256,
     missing_build_n_bytes,
 )
-from .engine.env import available_ram_bytes
+from .engine.env import available_ram_bytes, physical_cores
 from .engine.measure import now_iso, round_series
 from .engine.results import SCHEMA_VERSION, RunWriter
 from .engine.scenario import Measurement, ModelRef, Scenario
@@ -243,44 +243,78 @@ class _Rounds:
             self.partners.setdefault(b, []).append((a, phase))
         self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]
                      for m in todo}
+        self.reload = any(m.model.in_twin_pair for m in todo)
         self.spent_s = max((r.get("elapsed_s", 0.0) for r in writer.records.repetitions),
                            default=0.0)
         self.clock = time.monotonic()
 
     def run(self) -> None:
         try:
-            active = self._load()
+            keys = list(dict.fromkeys(m.model.key for m in self.todo))
+            active = list(self.todo) if self.reload else self._load(keys)
             self.clock = time.monotonic()  # the budget counts rounds, not loading the models
             round_index, resumed = self._first_round(active)
             if resumed:  # cells whose repetitions were all done leave first
                 active = self._finish(active, round_index - 1)
             while active:
+                if self.reload:
+                    active = self._reload(round_index, active)
                 self._round(round_index, active)
                 active = self._finish(active, round_index)
                 round_index += 1
         finally:
-            for cell in self.cells.values():
-                cell.close()
-            for model in self.models.values():
-                model.close()
+            self._unload()
 
-    def _load(self) -> list[Measurement]:
+    def _unload(self) -> None:
+        for cell in self.cells.values():
+            cell.close()
+        self.cells.clear()
+        for model in self.models.values():
+            model.close()
+        self.models.clear()
+
+    def _reload(self, round_index: int, active: list[Measurement]) -> list[Measurement]:
+        """A group with a twin pair loads its models afresh before every round, each file's
+        cached pages dropped and read back first, in an order that alternates round by round:
+        where a file's pages sit, and which model was loaded first, moved decode by up to 11%
+        between byte-identical files (docs/twins.md), so no model keeps the better place."""
+        keys = list(dict.fromkeys(m.model.key for m in active))
+        self._unload()
+        clock = time.monotonic()
+        loaded = self._load(keys if round_index % 2 == 0 else keys[::-1], round_index)
+        self.clock += time.monotonic() - clock  # loading is not measuring: the budget skips it
+        return [m for m in active if m in loaded]
+
+    def _load(self, keys: list[str], round_index: int | None = None) -> list[Measurement]:
         from .engine.llama import Model
+        from .engine.pagecache import huge_mapped_n_bytes, recache
 
-        for key in dict.fromkeys(m.model.key for m in self.todo):
+        huge = {}
+        for key in keys:
             path, dtypes = self.files[key]
             ref = next(m.model for m in self.todo if m.model.key == key)
             _noise_gate(f"before loading {ref.label}", self.strict, self.console)
             try:
+                if self.reload:
+                    recache(path)
                 self.models[key] = Model(path)
-            except MeasurementError as exc:
+            except (MeasurementError, OSError) as exc:
+                exc = exc if isinstance(exc, MeasurementError) else MeasurementError(
+                    f"cannot read the model file ({exc})", source=str(path))
                 exc.step = "load"
                 _record_failure(self.writer, key, exc, [m for m in self.todo
                                                         if m.model.key == key], self.console)
                 continue
-            self.infos[key] = _model_record(self.writer, ref, path, self.models[key])
-            self.pages[key] = self.prober.pages(path, dtypes,
-                                                self.infos[key]["decode_type_n_bytes"])
+            huge[key] = huge_mapped_n_bytes(path)
+            if key not in self.infos:
+                self.infos[key] = _model_record(self.writer, ref, path, self.models[key],
+                                                huge[key])
+                self.pages[key] = self.prober.pages(path, dtypes,
+                                                    self.infos[key]["decode_type_n_bytes"])
+        if self.reload:
+            self.writer.append({"type": "load", "round": round_index, "order": keys,
+                                "recached": True, "huge_mapped_n_bytes": huge,
+                                "at": now_iso()})
         return [m for m in self.todo if m.model.key in self.models]
 
     def _first_round(self, active: list[Measurement]) -> tuple[int, bool]:
@@ -429,7 +463,10 @@ def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path 
     need, seen = 0, set()
     for m in todo:
         key = (m.model.spec_name, m.model.dtype)
-        if m.model.gguf_path or key in seen:
+        if m.model.twin_of and key not in seen:
+            need += m.model.twin_of.stat().st_size  # at most: a cached twin needs none
+        if m.model.file or key in seen:
+            seen.add(key)
             continue
         seen.add(key)
         need += missing_build_n_bytes(resolve_spec(m.model.ref), DTYPES[m.model.dtype],
@@ -469,7 +506,7 @@ def _memory_by_model(todo: list[Measurement], all_contexts: bool = False
     for key, group in by_model.items():
         ref = group[0].model
         spec = _spec_of(ref)
-        weights = ref.gguf_path.stat().st_size if ref.gguf_path else estimated_n_bytes(
+        weights = ref.file.stat().st_size if ref.file else estimated_n_bytes(
             spec, DTYPES[ref.dtype])
         contexts = [memory_needed_bytes(m, spec) for m in group]
         out.append((key, weights + (sum(contexts) if all_contexts else max(contexts))))
@@ -477,7 +514,7 @@ def _memory_by_model(todo: list[Measurement], all_contexts: bool = False
 
 
 def _spec_of(ref: ModelRef) -> ModelSpec:
-    return spec_from_gguf(ref.gguf_path) if ref.gguf_path else resolve_spec(ref.ref)
+    return spec_from_gguf(ref.file) if ref.file else resolve_spec(ref.ref)
 
 
 def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
@@ -495,6 +532,14 @@ def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
 def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Console) -> Path:
     if ref.gguf_path:
         return ref.gguf_path
+    if ref.twin_of:
+        from .engine.twin import build_twin
+
+        start = time.perf_counter()
+        path = build_twin(ref.twin_of, seed, directory=cache_dir, threads=physical_cores())
+        if (seconds := time.perf_counter() - start) > 1:
+            console.info(f"built {path.name}, the random-weight twin, in {seconds:.1f} s")
+        return path
     spec = resolve_spec(ref.ref)
     start = time.perf_counter()
     built = build(spec, DTYPES[ref.dtype], seed, directory=cache_dir)
@@ -503,7 +548,8 @@ def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Conso
     return built.path
 
 
-def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
+def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
+                  huge_n_bytes: int | None = None) -> dict:
     key = ref.key
     if key in writer.records.models:
         return writer.records.models[key]
@@ -527,9 +573,17 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model) -> dict:
         "expert_n_bytes": expert_n_bytes(table),
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
-        "spec": spec.to_dict(),
-    })
+        "spec": spec.to_dict(), "huge_mapped_n_bytes": huge_n_bytes,
+    } | (_twin_fields(ref, path) if ref.in_twin_pair else {}))
     return writer.records.models[key]
+
+
+def _twin_fields(ref: ModelRef, path: Path) -> dict:
+    """What a twin pair's model record adds: the real file, and how the twin was calibrated."""
+    from .engine.twin import twin_calibration
+
+    return {"twin_of": str(ref.file), "real_sha256": file_sha256(ref.file),
+            "calibration": twin_calibration(path) if ref.dtype == "twin" else None}
 
 
 def _noise_gate(where: str, strict: bool, console: Console) -> float | None:

@@ -115,25 +115,37 @@ def build(spec: ModelSpec, dtype: DType, seed: int = 0, *, directory: Path | Non
 
 def _write_atomically(target: Path, spec: ModelSpec, dtype: DType, seed: int,
                       source: BuiltModel | None, progress: Progress | None) -> int:
-    for stale in target.parent.glob(target.name + ".tmp-*"):
-        stale.unlink(missing_ok=True)  # left by a killed build; we hold the lock
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    try:
+    def write(tmp: Path) -> None:
         if source is None:
-            total = file_n_bytes(spec, dtype)
-            done = [0]
-
-            def step(n: int) -> None:
-                done[0] += n
-                if progress:
-                    progress(done[0], total)
-
-            write_gguf(spec, dtype, seed, tmp, step)
+            write_gguf(spec, dtype, seed, tmp, _stepper(file_n_bytes(spec, dtype), progress))
         else:
             from .llama import quantize
 
             quantize(source.path, tmp, int(dtype.file_type))
             _fsync(tmp)
+
+    return _atomically(target, write)
+
+
+def _stepper(total: int, progress: Progress | None) -> Callable[[int], None]:
+    """A per-tensor byte count turned into (done, total) progress calls."""
+    done = [0]
+
+    def step(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    return step
+
+
+def _atomically(target: Path, write: Callable[[Path], None]) -> int:
+    """Run write(tmp) and rename tmp into place; return the file's size."""
+    for stale in target.parent.glob(target.name + ".tmp-*"):
+        stale.unlink(missing_ok=True)  # left by a killed build; we hold the lock
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
         os.replace(tmp, target)
         return target.stat().st_size
     except OSError as exc:

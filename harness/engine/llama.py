@@ -159,8 +159,10 @@ class Model:
             raise MeasurementError(problem, source="llama-cpp-python", fix=AMX_REBUILD)
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_mmap = use_mmap
-        self.path = path
+        # llama.cpp replaced use_mmap by load_mode; ctypes would take the old name silently
+        # (a Python attribute the C side never reads), so set the field it has.
+        params.load_mode = L.LLAMA_LOAD_MODE_MMAP if use_mmap else L.LLAMA_LOAD_MODE_NONE
+        self.path, self.use_mmap = path, use_mmap
         mark = _log_mark()
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
@@ -223,7 +225,8 @@ class PerfCounters:
 class Context:
     """A llama.cpp context with the timed primitives the runner needs."""
 
-    def __init__(self, model: Model, params: ContextParams) -> None:
+    def __init__(self, model: Model, params: ContextParams,
+                 trace: GraphTrace | None = None) -> None:
         p = L.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch = params.n_ctx, params.n_batch, params.n_ubatch
         p.n_threads = p.n_threads_batch = params.n_threads
@@ -236,7 +239,9 @@ class Context:
         if params.flash_attn is not None:
             p.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
                                  else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self.model, self.params = model, params
+        if trace is not None:
+            p.cb_eval = trace.callback
+        self.model, self.params, self.trace = model, params, trace
         mark = _log_mark()
         with _LOG_LOCK:
             _FA_LINES.clear()
@@ -460,12 +465,14 @@ _GGML_SIGNATURES = {
     "ggml_backend_tensor_set": (None, [_P, _P, _SZ, _SZ]),
     "ggml_backend_dev_supports_op": (ctypes.c_bool, [_P, _P]),
     "ggml_backend_graph_compute": (ctypes.c_int, [_P, _P]),
+    "ggml_op_desc": (ctypes.c_char_p, [_P]),
 }
 # Types ggml_quantize_chunk cannot write (activation-only and integer types): never asked for.
 NO_PROBE_TYPES = ("Q8_1", "Q8_K", "F64", "I8", "I16", "I32", "I64")
 _GGML_DEVICE_CPU = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 _GGML_F32 = 0
 _GGML_F16 = 1
+_GGML_I32 = 26
 _REPACK_BUFT = "CPU_REPACK"  # llama.cpp puts Q4_0, Q4_K, IQ4_NL, ... weights here at load
 
 
@@ -723,3 +730,110 @@ def _weight_bytes(g, type_id: int, n_rows: int, n_cols: int) -> np.ndarray:
     g.ggml_quantize_chunk(type_id, src.ctypes.data, chunk.ctypes.data, 0, chunk_rows, n_cols,
                           None)
     return np.tile(chunk, -(-n_rows // chunk_rows))[: n_rows * row]
+
+
+def quantize_rows(type_id: int, rows: np.ndarray) -> bytes:
+    """F32 rows (n_rows x n_cols) in a ggml type, by ggml's own quantizer; types that need an
+    importance matrix get a flat one (every column weighs the same)."""
+    _init()
+    g = _ggml()
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n_rows, n_cols = rows.shape
+    imatrix = (np.ones(n_cols, dtype=np.float32)
+               if g.ggml_quantize_requires_imatrix(type_id) else None)
+    out = np.empty(n_rows * g.ggml_row_size(type_id, n_cols), dtype=np.uint8)
+    n_bytes = g.ggml_quantize_chunk(type_id, rows.ctypes.data, out.ctypes.data, 0, n_rows,
+                                    n_cols, None if imatrix is None else imatrix.ctypes.data)
+    return out[:n_bytes].tobytes()
+
+
+class _GgmlTensor(ctypes.Structure):
+    """struct ggml_tensor as ggml.h lays it out (GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64,
+    GGML_MAX_SRC 10, GGML_MAX_NAME 64)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", _P), ("ne", _I64 * 4), ("nb", _SZ * 4),
+                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", _P * 10), ("view_src", _P),
+                ("view_offs", _SZ), ("data", _P), ("name", ctypes.c_char * 64),
+                ("extra", _P), ("padding", ctypes.c_char * 8)]
+
+
+@dataclass
+class NodeRecord:
+    """One graph node as the eval callback saw it after computing it."""
+
+    name: str
+    op: str
+    seconds: float  # since the previous node finished: this node's compute alone
+    weight: str | None = None  # a matrix product's weight tensor (its first source)
+    stats: dict | None = None  # of the node's F32 output (and its input, for activations)
+
+
+class GraphTrace:
+    """llama.cpp's eval callback, asking for every node: each node is then computed alone, and
+    its time, op and name (and, with stats, its values' ranges) are recorded; the data of nodes
+    whose name starts with a captured prefix (the experts each token picks) is copied out.
+    Asking for every node synchronizes the graph: it attributes time, it does not measure it."""
+
+    ACTIVATION_OPS = ("GELU", "SILU", "GEGLU", "SWIGLU", "GELU_QUICK", "GEGLU_ERF")
+
+    def __init__(self, stats: bool = False, capture: tuple[str, ...] = ()) -> None:
+        self.stats, self.capture = stats, capture
+        self.nodes: list[NodeRecord] = []
+        self.captured: list[tuple[str, np.ndarray]] = []
+        self.callback = L.ggml_backend_sched_eval_callback(self._call)  # kept alive here
+        self._g = _ggml()
+        self._mark = time.perf_counter_ns()
+
+    def start(self) -> None:
+        """Start timing from now (call before each llama_decode)."""
+        self._mark = time.perf_counter_ns()
+
+    def _call(self, ptr: int, ask: bool, _user: int) -> bool:
+        if ask:
+            return True
+        seconds = (time.perf_counter_ns() - self._mark) / 1e9
+        t = _GgmlTensor.from_address(ptr)
+        name = t.name.decode(errors="replace")
+        record = NodeRecord(name, self._g.ggml_op_desc(ptr).decode(), seconds)
+        if record.op in ("MUL_MAT", "MUL_MAT_ID") and t.src[0]:
+            record.weight = _GgmlTensor.from_address(t.src[0]).name.decode(errors="replace")
+        if self.stats:
+            record.stats = {"out": _value_stats(t)}
+            if record.op in self.ACTIVATION_OPS and t.src[0]:
+                record.stats["in"] = _value_stats(_GgmlTensor.from_address(t.src[0]))
+        if self.capture and name.startswith(self.capture):
+            self.captured.append((name, _tensor_values(t).copy()))
+        self.nodes.append(record)
+        self._mark = time.perf_counter_ns()  # our own work is not the next node's
+        return True
+
+
+def _tensor_values(t: _GgmlTensor) -> np.ndarray:
+    """A contiguous F32 or I32 tensor's values (ne[0] fastest), viewed in place."""
+    kinds = {_GGML_F32: np.float32, _GGML_I32: np.int32}
+    if t.type not in kinds or not t.data:
+        return np.empty(0, dtype=np.float32)
+    shape = [int(n) for n in t.ne if n > 0][::-1] or [1]
+    count = int(np.prod(shape))
+    if t.nb[1] != t.ne[0] * t.nb[0]:
+        return np.empty(0, dtype=kinds[t.type])  # a strided view: not read
+    raw = (ctypes.c_char * (count * 4)).from_address(t.data)
+    return np.frombuffer(raw, dtype=kinds[t.type]).reshape(shape)
+
+
+def _value_stats(t: _GgmlTensor) -> dict | None:
+    """Range, RMS, share beyond +-10 and non-finite count of an F32 tensor's values."""
+    if t.type != _GGML_F32:
+        return None
+    x = _tensor_values(t)
+    if not x.size:
+        return None
+    finite = np.isfinite(x)
+    y = x[finite] if not finite.all() else x
+    return {"n": int(x.size), "non_finite": int(x.size - finite.sum()),
+            "min": float(y.min()) if y.size else None, "max": float(y.max()) if y.size else None,
+            "rms": float(np.sqrt(np.mean(np.square(y, dtype=np.float64)))) if y.size else None,
+            "beyond_10": float(np.mean(np.abs(y) > 10)) if y.size else None,
+            "subnormal": float(np.mean((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny)))
+            if y.size else None}

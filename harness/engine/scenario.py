@@ -45,24 +45,36 @@ def whole_blocks(n_cells: int) -> int:
     """n_cells rounded up to a multiple of CONTEXT_STEP."""
     return -(-n_cells // CONTEXT_STEP) * CONTEXT_STEP
 MAX_SECONDS = 7 * 24 * 3600
+TWIN_PAIR = ("real", "twin")  # the dtypes of a {twin_of: PATH} entry's two models
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
 _TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model named by a scenario: a spec (built on demand) or a GGUF file."""
+    """A model named by a scenario: a spec (built on demand), a GGUF file, or the random-weight
+    twin of one ({twin_of: PATH} names the file, as dtype "real", and its twin, dtype "twin")."""
 
     ref: str
-    spec_name: str | None  # None for a .gguf path
-    gguf_path: Path | None
-    dtype: str  # the dtype to build; "file" for a .gguf path
+    spec_name: str | None  # None for a .gguf path or a twin
+    gguf_path: Path | None  # the file measured; None for a spec or a twin (built on demand)
+    dtype: str  # the dtype to build; "file" for a .gguf path; "real" or "twin" in a twin pair
     max_context: int  # the model's trained context length
     head_dim: int = 0  # per-head K/V size, which a quantized KV cache's blocks must divide
+    twin_of: Path | None = None  # the real file a twin copies
+
+    @property
+    def file(self) -> Path | None:
+        """The GGUF file the model's shapes are read from (None for a spec)."""
+        return self.gguf_path or self.twin_of
 
     @property
     def label(self) -> str:
-        return self.spec_name or self.gguf_path.stem
+        return self.spec_name or self.file.stem
+
+    @property
+    def in_twin_pair(self) -> bool:
+        return self.dtype in TWIN_PAIR
 
     @property
     def key(self) -> str:
@@ -266,11 +278,16 @@ def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = Non
         raise doc.error(path + ("dtypes",), "a dtype is listed twice", fix="list each once")
     out: list[ModelRef] = []
     for i, ref in enumerate(refs):
-        ref = _beside(want_str(doc, path + ("models", i), ref), Path(doc.source).parent)
+        key = path + ("models", i)
+        twin = isinstance(ref, dict)
+        if twin:
+            check_keys(doc, key, ref, ["twin_of"], ("twin_of",))
+            key, ref = key + ("twin_of",), ref["twin_of"]
+        ref = _beside(want_str(doc, key, ref), Path(doc.source).parent)
         try:
-            out += _resolve_model(ref, kinds)
+            out += _resolve_twin(ref) if twin else _resolve_model(ref, kinds)
         except HarnessError as exc:
-            raise doc.error(path + ("models", i), exc.render()) from None
+            raise doc.error(key, exc.render()) from None
     labels = [(m.label, m.dtype) for m in out]
     if len(set(labels)) != len(labels):
         raise doc.error(path + ("models",), "a model is listed twice", fix="list each once")
@@ -298,6 +315,32 @@ def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
     spec = resolve_spec(ref)
     return [ModelRef(ref, spec.name, None, d, spec.max_position_embeddings, spec.head_dim)
             for d in dtypes]
+
+
+def twin_scenario_text(real: Path, threads: int | str, prompt: int, generate: int,
+                       repetitions: int | str, min_repetitions: int, max_repetitions: int,
+                       target_ci: float) -> str:
+    """The scenario `harness twin` runs: the real file beside its twin, one test."""
+    import yaml
+
+    doc = {"name": f"twin-{real.stem}",
+           "title": f"{real.stem}: random weights against real weights",
+           "description": f"{real.name} and its random-weight twin, timed round by round "
+                          "(written by harness twin).",
+           "models": [{"twin_of": str(real.resolve())}], "threads": threads,
+           "repetitions": repetitions, "min_repetitions": min_repetitions,
+           "max_repetitions": max_repetitions, "target_ci": target_ci,
+           "tests": [{"name": "prefill and decode", "prompt": prompt, "generate": generate}]}
+    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+
+
+def _resolve_twin(ref: str) -> list[ModelRef]:
+    """A real GGUF file and its random-weight twin, compared on every phase."""
+    if not ref.endswith(".gguf"):
+        raise HarnessError("twin_of names a GGUF file", fix="write twin_of: path/to/model.gguf")
+    real = _resolve_model(ref, [])[0]
+    return [replace(real, dtype="real"),
+            replace(real, gguf_path=None, dtype="twin", twin_of=real.gguf_path)]
 
 
 def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[int]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import batching, experts, kv_depth, prefix, quant, threads
+from . import batching, experts, kv_depth, prefix, quant, threads, twins
 from .common import Lever
 
 LEVERS: tuple[Lever, ...] = (experts.LEVER, quant.LEVER, kv_depth.LEVER, batching.LEVER,
-                             threads.LEVER, prefix.LEVER)
+                             threads.LEVER, prefix.LEVER, twins.LEVER)
 
 
 def analyze_levers(measurements: list[dict], models: dict, probes: list[dict],

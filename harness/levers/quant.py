@@ -30,7 +30,9 @@ def composition(model: dict) -> dict:
 
 def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
     """Per model and thread count with two or more dtypes: bytes, speeds and speed-ups."""
-    plain = [m for m in measurements if is_plain(m) and m["model_key"] in models]
+    # a twin pair is one file's values against random ones, not two types (levers/twins.py)
+    plain = [m for m in measurements if is_plain(m) and m["model_key"] in models
+             and m["dtype"] not in ("real", "twin")]
     rows = []
     for group in group_records(plain, lambda m: (m["model"], m["threads"])):
         by_dtype: dict[str, dict] = {}

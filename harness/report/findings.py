@@ -35,7 +35,7 @@ def findings(data: dict) -> list[str]:
     out += _size_finding(a) + _model_finding(a) + _experts_finding(a) + _use_finding(a)
     out += _long_prompt_finding(a, main)
     out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
-    out += _prefix_finding(a)
+    out += _prefix_finding(a) + _twin_finding(a)
     out += drift_finding(a)
     claims = data.get("claims") or []
     if claims:
@@ -183,6 +183,15 @@ def _attention_clause(a: dict, long: dict) -> str:
     return ""
 
 
+FILE_TYPES = {"file": "the given file", "real": "the real file",
+              "twin": "its random-weight twin"}
+
+
+def type_words(dtype: str) -> str:
+    """A weight type as the page names it: Q4_K_M; a given file or a twin pair in words."""
+    return FILE_TYPES.get(dtype, dtype.upper())
+
+
 def _model_finding(a: dict) -> list[str]:
     """The decode model per weight type: its fixed cost and achieved bandwidth."""
     rows = [d for d in (a.get("machine_model") or {}).get("decode") or [] if d.get("gb_s")]
@@ -197,14 +206,16 @@ def _model_finding(a: dict) -> list[str]:
             share += f" ({d['share_at_row_widths']:.0%} at the models' own row widths)"
         shares += [d.get("share_of_stream") or 0, d.get("share_at_row_widths") or 0]
         ci = d["gb_s"].get("median_ci95")
-        parts.append(f"{d['dtype'].upper()}"
+        parts.append(type_words(d["dtype"])
                      + (f" at {threads_label(d['threads'])}" if several else "")
                      + f" {center(d['gb_s']):.1f}"
                      + (f" [{ci[0]:.1f}–{ci[1]:.1f}]" if ci else "") + f" GB/s{share}")
     fixed = max(v for d in rows for v in d["fixed_s"].values()) * 1e3
     above = (" A share above 100%: decode ran faster than ggml's kernel did on the probe's "
              "matrix beside it (the tables below say where)." if max(shares) > 1 else "")
-    return ["Per weight type, decode ran at " + "; ".join(parts) + " once the fixed cost of "
+    head = ("Per weight type" if all(d["dtype"] not in FILE_TYPES for d in rows)
+            else "Per weight type and file")
+    return [f"{head}, decode ran at " + "; ".join(parts) + " once the fixed cost of "
             f"a step (up to {fixed:.2f} ms here, timed on skeletons of the same layers) is "
             "taken out: the run's model of its machine, which the estimates below use."
             + above]
@@ -266,6 +277,13 @@ def _threads_finding(a: dict) -> list[str]:
                    f"{times(hi['speedup'] / lo['speedup'], ratio)} faster on {hi['threads']} "
                    f"threads than on {lo['threads']}.")
     return out
+
+
+def _twin_finding(a: dict) -> list[str]:
+    """The lesson's premise checked: each twin ÷ real ratio in words."""
+    from ..levers.twins import twin_sentence
+
+    return [twin_sentence(r) for r in a.get("twins") or []]
 
 
 def _prefix_finding(a: dict) -> list[str]:

@@ -12,6 +12,7 @@ import re
 from ..core.reference import check_claims
 from ..core.stats import center, inverse
 from ..levers.common import threads_label
+from ..levers.twins import twin_table
 from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 from .findings import findings, main_model, rows_of
 from .page import (
@@ -35,6 +36,7 @@ PLOT_CAPTIONS = {
     "decode_per_token": "Every decode step's time, repetition by repetition (diagnostic)",
     "quant_speedup": "Decode and prefill speed of each weight type against F32",
     "batching": "Aggregate and per-sequence decode tok/s against the number of sequences",
+    "twins": "Twin ÷ real tok/s per phase, round by round, with the ±2% band",
 }
 
 
@@ -301,6 +303,7 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
             continue
         out += [unbreakable(markdown_table(table).replace("### ", "## ", 1)), ""]
         out += _plot(plot, plots)
+    out += twin_section(a) + _plot("twins", plots)
     est = estimates_table(data["analysis"])
     if est:
         head, _, rest = unbreakable(markdown_table(est[0])).partition("\n")
@@ -313,6 +316,18 @@ def render_lesson(data: dict, plots: list[str] | None = None) -> str:
         out += [markdown_table(table), ""]
     out += _plot("decode_per_token", plots)
     return "\n".join(out)
+
+
+def twin_section(a: dict) -> list[str]:
+    """The premise that random weights time like real ones: the run's check, or a line saying
+    it was not checked and how to check it."""
+    tables = twin_table(a)
+    if tables:
+        return [unbreakable(markdown_table(tables[0]).replace("### ", "## ", 1)), ""]
+    return ["## Random weights against real weights", "",
+            "Not checked in this run: every model here has random weights. To time a real "
+            "GGUF file beside its random-weight twin, add `- twin_of: path/to/model.gguf` to "
+            "the scenario's models, or run `harness twin path/to/model.gguf`.", ""]
 
 
 MODEL_NAME = re.compile(r"\b[A-Za-z][A-Za-z0-9.]*(?:-[A-Za-z0-9.]+)+\b")
