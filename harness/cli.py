@@ -168,12 +168,15 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
 @click.option("--max-repetitions", default=40, show_default=True, type=click.IntRange(3, 1000))
 @click.option("--target-ci", default=0.01, show_default=True, type=click.FloatRange(0.001, 1),
               help="auto: stop when the 95% intervals of twin ÷ real are within ±this.")
+@click.option("--mmap/--no-mmap", default=True, show_default=True,
+              help="Read the weights from the mapped files (llama.cpp's default) or copy them "
+                   "into memory at load.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
 @click.pass_context
 def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt: int,
          generate: int, repetitions: str, min_repetitions: int, max_repetitions: int,
-         target_ci: float, cache_dir: Path | None) -> None:
+         target_ci: float, mmap: bool, cache_dir: Path | None) -> None:
     """Time REAL (a GGUF file) beside its random-weight twin: twin ÷ real per phase."""
     from .engine.build import check_gguf_file, write_text_atomically
     from .engine.scenario import twin_scenario_text
@@ -182,7 +185,7 @@ def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt:
     threads_value = threads if threads == "auto" else _whole(threads, "--threads")
     reps = repetitions if repetitions == "auto" else _whole(repetitions, "--repetitions")
     text = twin_scenario_text(real, threads_value, prompt, generate, reps, min_repetitions,
-                              max_repetitions, target_ci)
+                              max_repetitions, target_ci, mmap)
     run_dir = out or default_run_dir(f"twin-{real.stem}", False)
     scenario = run_dir / "twin.yaml"
     if scenario.exists() and scenario.read_text() != text:
@@ -204,6 +207,45 @@ def _whole(value: str, key: str) -> int:
         raise HarnessError(f"expected a whole number or auto, got {value!r}", key=key,
                            fix=f"write {key} auto or a count such as 10")
     return int(value)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--dtype", default="f32", show_default=True, help="Weight type to build a spec at.")
+@click.option("--prompt", default=512, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="Prompt tokens, prefilled in one ubatch.")
+@click.option("--generate", default=32, show_default=True, type=click.IntRange(2, 1 << 16),
+              help="Tokens decoded one at a time after the prompt.")
+@click.option("--threads", default=0, type=click.IntRange(0, 1024),
+              help="Threads (default: the physical cores).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
+def routing(model: str, dtype: str, prompt: int, generate: int, threads: int, seed: int,
+            cache_dir: Path | None) -> None:
+    """Which experts MODEL's tokens pick, per layer (a mixture of experts: spec or .gguf)."""
+    from .core.dtypes import get_dtype
+    from .core.specs import resolve_spec
+    from .engine.build import build as build_model
+    from .engine.build import check_gguf_file
+    from .engine.env import physical_cores
+    from .engine.routing import expert_selections, routing_stats
+    from .levers.experts import routing_table
+    from .render.tabular import markdown_table
+    from .weights.gguf_inspect import spec_from_gguf
+
+    if model.endswith(".gguf"):
+        check_gguf_file(Path(model))
+        path, spec = Path(model), spec_from_gguf(Path(model))
+    else:
+        spec = resolve_spec(model)
+        path = build_model(spec, get_dtype(dtype, key="--dtype"), seed,
+                           directory=cache_dir).path
+    if not spec.is_moe:
+        raise HarnessError(f"{spec.name} has no experts", key="MODEL",
+                           fix="name a mixture of experts, e.g. granite-3.0-1b-a400m")
+    chosen = expert_selections(path, prompt, generate, threads or physical_cores(), seed)
+    click.echo(markdown_table(routing_table(routing_stats(chosen, spec), spec.name)))
 
 
 @cli.command()

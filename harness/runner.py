@@ -297,7 +297,7 @@ class _Rounds:
             try:
                 if self.reload:
                     recache(path)
-                self.models[key] = Model(path)
+                self.models[key] = Model(path, use_mmap=self.scenario.mmap)
             except (MeasurementError, OSError) as exc:
                 exc = exc if isinstance(exc, MeasurementError) else MeasurementError(
                     f"cannot read the model file ({exc})", source=str(path))
@@ -574,6 +574,7 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(), "huge_mapped_n_bytes": huge_n_bytes,
+        "mmap": getattr(model, "use_mmap", None),
     } | (_twin_fields(ref, path) if ref.in_twin_pair else {}))
     return writer.records.models[key]
 

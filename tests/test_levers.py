@@ -190,7 +190,7 @@ def test_every_lever_is_registered_once_with_its_table_and_plot():
     from harness.levers import LEVERS, PLOT_AFTER, TABLE_NAMES
 
     assert [lever.name for lever in LEVERS] == ["experts", "quant", "kv_depth", "batching",
-                                                "threads", "prefix"]
+                                                "threads", "prefix", "twins"]
     assert len(set(TABLE_NAMES)) == len(TABLE_NAMES)
     assert set(PLOT_AFTER.values()) <= set(TABLE_NAMES)
 

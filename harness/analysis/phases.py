@@ -14,6 +14,7 @@ from ..core.costs import (
     matmul_params_per_token,
     mean_decode_context,
     prefill_flops,
+    step_weight_n_bytes,
 )
 from ..core.specs import ModelSpec
 from ..core.stats import center, contrast, ratio_summary, row_blocks, summarize, unpaired
@@ -166,6 +167,20 @@ def longest_decodes(decode: list[dict]) -> list[dict]:
     return list(chosen.values())
 
 
+def prefill_weight_n_bytes(model: dict, spec: ModelSpec, n_prompt: int, n_ubatch: int
+                           ) -> float:
+    """Weight bytes a prefill reads: every ubatch reads everything outside the routed experts
+    once, and the experts its tokens are routed to: the expected union of its n tokens'
+    experts (core.costs.expert_union_fraction), nearly all of them for a full ubatch, where one
+    decode token reads k of E."""
+    total = 0.0
+    for start in range(0, n_prompt, n_ubatch):
+        total += step_weight_n_bytes(model["decode_weight_n_bytes"],
+                                     model.get("expert_n_bytes") or 0, spec,
+                                     min(n_ubatch, n_prompt - start))
+    return total
+
+
 def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dict]:
     """Where each phase spends the machine: prefill and decode of one model each as a share of
     the compute peak and of the streaming bandwidth (prefill reads the weights once per ubatch;
@@ -179,11 +194,12 @@ def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dic
         p = min(pre, key=lambda r: r["n_prompt"])
         stream, peak = d["stream_ceiling"]["value"], p["compute_peak"]["value"]
         spec = ModelSpec(**model["spec"])
-        passes = -(-p["n_prompt"] // p["n_ubatch"])
-        prefill_gb_s = model["decode_weight_n_bytes"] * passes / p["seconds"] / 1e9
+        prefill_gb_s = prefill_weight_n_bytes(model, spec, p["n_prompt"],
+                                              p["n_ubatch"]) / p["seconds"] / 1e9
         decode_gflop_s = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size
                           * spec.vocab_size) * center(d["tok_s"]) / 1e9
-        base = {"model": d["model"], "dtype": d["dtype"], "threads": d["threads"]}
+        base = {"model": d["model"], "dtype": d["dtype"], "threads": d["threads"],
+                "moe": spec.is_moe}
         out.append(base | {"phase": "prefill", "n_prompt": p["n_prompt"],
                            "gflop_s": p["gflop_s"], "gb_s": prefill_gb_s,
                            "compute_share": p["share_of_peak"],

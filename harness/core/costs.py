@@ -22,9 +22,30 @@ def expert_union_fraction(n_experts: int, n_used: int, n_sequences: int = 1) -> 
     """Expected share of a layer's experts that one step of n_sequences tokens reads, each
     token routed to n_used of n_experts uniformly at random: a given expert is missed by one
     token with probability 1 - k/E, by all B with (1 - k/E)^B, so E(1 - (1 - k/E)^B) experts
-    are read. Uniform routing is what random router weights give; trained routers are skewed
-    (some experts hot), which reads fewer distinct experts at B > 1."""
+    are read. It assumes every token picks independently and uniformly; trained routers are
+    skewed (some experts hot), and random-weight routers sticky (consecutive tokens of one
+    sequence share most of their experts), both of which read fewer distinct experts."""
     return 1 - (1 - n_used / n_experts) ** n_sequences
+
+
+def consecutive_overlap(steps: list[list[int]]) -> float | None:
+    """Experts two consecutive tokens share, on average: |S_t ∩ S_t+1| over a sequence's
+    steps (each the experts one token picked in one layer); None under two steps."""
+    pairs = list(zip(steps, steps[1:], strict=False))
+    if not pairs:
+        return None
+    return sum(len(set(a) & set(b)) for a, b in pairs) / len(pairs)
+
+
+def uniform_overlap(n_experts: int, n_used: int) -> float:
+    """What consecutive tokens share when each picks k of E uniformly at random: each of one
+    token's k experts is among the other's with probability k/E, so k²/E."""
+    return n_used * n_used / n_experts
+
+
+def experts_touched(selections: list[list[int]]) -> int:
+    """Distinct experts a group of tokens (a prefill's ubatch, a batch) reads in one layer."""
+    return len({e for picked in selections for e in picked})
 
 
 @dataclass(frozen=True)

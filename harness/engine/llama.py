@@ -126,12 +126,15 @@ def build_problem() -> str | None:
     return None
 
 
-def quantize(src: Path, dst: Path, file_type: int, n_threads: int = 0) -> None:
-    """Run llama.cpp's own quantizer (all cores when n_threads is 0)."""
+def quantize(src: Path, dst: Path, file_type: int, n_threads: int = 0,
+             allow_requantize: bool = False) -> None:
+    """Run llama.cpp's own quantizer (all cores when n_threads is 0); allow_requantize lets it
+    convert an already quantized file (dequantized first, as llama-quantize --allow-requantize)."""
     _init()
     params = L.llama_model_quantize_default_params()
     params.ftype = file_type
     params.nthread = n_threads
+    params.allow_requantize = allow_requantize
     mark = _log_mark()
     rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
@@ -810,16 +813,19 @@ class GraphTrace:
 
 
 def _tensor_values(t: _GgmlTensor) -> np.ndarray:
-    """A contiguous F32 or I32 tensor's values (ne[0] fastest), viewed in place."""
+    """An F32 or I32 tensor's values as an array over its memory, views with strides included
+    (the chosen experts are a view of an argsort), outermost dimension first."""
     kinds = {_GGML_F32: np.float32, _GGML_I32: np.int32}
     if t.type not in kinds or not t.data:
         return np.empty(0, dtype=np.float32)
-    shape = [int(n) for n in t.ne if n > 0][::-1] or [1]
-    count = int(np.prod(shape))
-    if t.nb[1] != t.ne[0] * t.nb[0]:
-        return np.empty(0, dtype=kinds[t.type])  # a strided view: not read
-    raw = (ctypes.c_char * (count * 4)).from_address(t.data)
-    return np.frombuffer(raw, dtype=kinds[t.type]).reshape(shape)
+    shape = [int(n) for n in t.ne][::-1]
+    strides = [int(b) for b in t.nb][::-1]
+    span = sum((n - 1) * b for n, b in zip(shape, strides, strict=True)) + 4
+    raw = (ctypes.c_char * span).from_address(t.data)
+    values = np.ndarray(shape, dtype=kinds[t.type], buffer=raw, strides=strides)
+    while values.ndim > 1 and values.shape[0] == 1:
+        values = values[0]
+    return values
 
 
 def _value_stats(t: _GgmlTensor) -> dict | None:

@@ -17,6 +17,7 @@ from ..core.yamlio import (
     format_path,
     parse_yaml,
     read_text,
+    want_bool,
     want_float,
     want_int,
     want_mapping,
@@ -30,7 +31,7 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "target", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
-             "tests"]
+             "mmap", "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
               "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
 # Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
@@ -204,6 +205,7 @@ class Scenario:
     max_seconds: float | None = None  # the time budget of a run's rounds
     reference: dict | None = None  # published figures and claims (harness.reference)
     target: str = "contrasts"  # what target_ci applies to: "contrasts" or "absolute"
+    mmap: bool = True  # models read from the mapped file (llama.cpp's default) or copied in
 
     @property
     def sha256(self) -> str:
@@ -239,6 +241,7 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
                                 maximum=MAX_SECONDS) if "max_seconds" in data else None),
         reference=(load_reference(doc, data["reference"]) if "reference" in data else None),
         target=_target(doc, data),
+        mmap=want_bool(doc, ("mmap",), data.get("mmap", True)),
     )
 
 
@@ -319,7 +322,7 @@ def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
 
 def twin_scenario_text(real: Path, threads: int | str, prompt: int, generate: int,
                        repetitions: int | str, min_repetitions: int, max_repetitions: int,
-                       target_ci: float) -> str:
+                       target_ci: float, mmap: bool = True) -> str:
     """The scenario `harness twin` runs: the real file beside its twin, one test."""
     import yaml
 
@@ -329,7 +332,7 @@ def twin_scenario_text(real: Path, threads: int | str, prompt: int, generate: in
                           "(written by harness twin).",
            "models": [{"twin_of": str(real.resolve())}], "threads": threads,
            "repetitions": repetitions, "min_repetitions": min_repetitions,
-           "max_repetitions": max_repetitions, "target_ci": target_ci,
+           "max_repetitions": max_repetitions, "target_ci": target_ci, "mmap": mmap,
            "tests": [{"name": "prefill and decode", "prompt": prompt, "generate": generate}]}
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 

@@ -172,3 +172,26 @@ def experts(analysis: dict, out_dir: Path) -> str | None:
 LEVER = Lever("experts", analyze, experts_table, ("experts",), experts, "experts",
               "Measured decode tok/s of each model beside the tok/s its file size and its "
               "active bytes predict")
+
+
+# --- routing (harness routing: the experts each token picks, recorded from the graph)
+
+def routing_table(rows: list[dict], model: str) -> Table:
+    """Per layer: experts a prefill touched and consecutive decode steps shared, beside what
+    tokens picking uniformly at random would give."""
+    first = rows[0] if rows else {"n_experts": 0, "k": 0, "prefill_tokens": 0,
+                                  "decode_steps": 0}
+    return Table("routing", f"Expert routing of {model}", [
+        Column("layer", "layer", "int"), Column("prefill tokens", "prefill_tokens", "int"),
+        Column("experts touched", "prefill_touched", "int"),
+        Column("if uniform", "prefill_uniform", "f1"),
+        Column("decode steps", "decode_steps", "int"),
+        Column("shared by consecutive steps", "decode_overlap", "f2"),
+        Column("if uniform (k²/E)", "uniform_overlap", "f2"),
+        Column("experts over the decode", "decode_touched", "int")], rows,
+        [f"Each token picks {first['k']} of {first['n_experts']} experts per layer, read from "
+         "llama.cpp's graph (the ffn_moe_topk tensor) as it ran. If uniform: every token "
+         "picking independently and uniformly at random, E(1 − (1 − k/E)^n) experts touched by "
+         "n tokens and k²/E shared by two consecutive ones. A layer a prefill runs on its last "
+         "token only (llama.cpp drops the other tokens before the last layer's FFN) shows one "
+         "prefill token."])

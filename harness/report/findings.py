@@ -29,13 +29,13 @@ def findings(data: dict) -> list[str]:
     """Five or six sentences with the run's numbers, each true of it (data: the analysis, the
     main model as (model, dtype, threads) or None, and the checked claims)."""
     a, main = data["analysis"], data["main"]
-    out = []
+    out = _twin_finding(a)  # the premise every other figure rests on, where the run checked it
     if main:
         out += _two_phases(a, main)
     out += _size_finding(a) + _model_finding(a) + _experts_finding(a) + _use_finding(a)
     out += _long_prompt_finding(a, main)
     out += _quant_finding(a) + _batch_finding(a) + _kv_finding(a) + _threads_finding(a)
-    out += _prefix_finding(a) + _twin_finding(a)
+    out += _prefix_finding(a)
     out += drift_finding(a)
     claims = data.get("claims") or []
     if claims:

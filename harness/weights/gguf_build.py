@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,20 +73,31 @@ def write_gguf(spec: ModelSpec, dtype: DType, seed: int, path: Path,
         writer.add_tensor_info(t.plan.name, shape, np_dtype, t.n_bytes, raw_dtype=t.ggml_type)
     pool_elements = min(POOL_ELEMENTS, max(t.plan.n_elements for t in tensors))
     pools = _Pools(seed, pool_elements)
+    offsets = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
+    return write_tensor_data(writer, path, ((t.n_bytes, pools.chunks(t, int(offset)))
+                                            for t, offset in zip(tensors, offsets, strict=True)),
+                             progress)
+
+
+def write_tensor_data(writer: GGUFWriter, path: Path,
+                      tensors: Iterable[tuple[int, Iterable[bytes | memoryview]]],
+                      progress: Callable[[int], None] | None = None) -> int:
+    """Write writer's header, KVs and tensor infos to path, then each tensor's bytes (given
+    as (byte count, chunks), in the infos' order) at the writer's alignment; flush, fsync and
+    return the file's size."""
     writer.open_output_file(path)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
-        offsets = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
-        for t, offset in zip(tensors, offsets, strict=True):
-            _write_padding(fout)
-            for chunk in pools.chunks(t, int(offset)):
+        for n_bytes, chunks in tensors:
+            writer.write_padding(fout, fout.tell())
+            for chunk in chunks:
                 fout.write(chunk)
             if progress:
-                progress(t.n_bytes)
-        _write_padding(fout)
+                progress(n_bytes)
+        writer.write_padding(fout, fout.tell())
         fout.flush()
         os.fsync(fout.fileno())
         return fout.tell()
@@ -143,10 +154,6 @@ def _info_dtype_shape(t: PlannedTensor) -> tuple[np.dtype, tuple[int, ...]]:
 
 def _pad(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-def _write_padding(fout) -> None:
-    fout.write(b"\0" * (_pad(fout.tell()) - fout.tell()))
 
 
 def _tensor_info_n_bytes(plan: TensorPlan) -> int:

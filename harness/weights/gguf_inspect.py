@@ -12,7 +12,8 @@ from ..core.errors import HarnessError
 from ..core.specs import ARCHS, ModelSpec
 
 
-def _reader(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFReader:
+    """A GGUF file's reader, or one clear error naming the file."""
     try:
         return GGUFReader(path)
     except (ValueError, OSError, IndexError) as exc:
@@ -43,7 +44,7 @@ def is_gguf(path: Path) -> bool:
 def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     """The architecture a GGUF file holds, as a ModelSpec, from its header alone: shapes,
     experts, sliding window, soft-capping and Granite's scales (refusing unsupported ones)."""
-    reader = _reader(path)
+    reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHS:
         raise HarnessError(f"GGUF architecture {arch!r} is not supported", source=str(path),
@@ -107,7 +108,7 @@ def _optional_hparams(key, arch, ffn: int) -> dict:
 
 def tensor_table(path: Path) -> list[TensorEntry]:
     """Every tensor of a GGUF file: name, numpy shape, type and bytes."""
-    reader = _reader(path)
+    reader = open_gguf(path)
     return [TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name,
                         int(t.n_bytes)) for t in reader.tensors]
 
@@ -115,6 +116,6 @@ def tensor_table(path: Path) -> list[TensorEntry]:
 
 def tensor_data_span(path: Path) -> tuple[int, int]:
     """Where a GGUF file's tensor data starts, and its bytes to the end of the file."""
-    reader = _reader(path)
+    reader = open_gguf(path)
     start = min((int(t.data_offset) for t in reader.tensors), default=0)
     return start, path.stat().st_size - start

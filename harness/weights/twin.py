@@ -11,7 +11,6 @@ model learned, are noise.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from gguf.quants import dequantize
 
 from .. import __version__
 from ..core.errors import HarnessError
+from .gguf_build import write_tensor_data
+from .gguf_inspect import open_gguf
 
 # Bump when the bytes a twin gets change: it is part of every twin's cache key.
 TWIN_VERSION = 1
@@ -38,45 +39,22 @@ DIRECT = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.flo
 Quantizer = Callable[[GGMLQuantizationType, np.ndarray], bytes]
 
 
-def read_real(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        raise HarnessError(f"cannot read the GGUF file ({exc})", source=str(path),
-                           fix="pass a complete GGUF file") from None
-
-
 def write_twin(real: Path, out: Path, seed: int, quantize: Quantizer,
                progress: Callable[[int], None] | None = None,
                factors: dict[str, float] | None = None) -> int:
     """Write the twin of real at out (the caller renames it into place); return its size.
     factors: per tensor name, a scale on its random values (the activation calibration)."""
     factors = factors or {}
-    reader = read_real(real)
+    reader = open_gguf(real)
     _check_types(reader, real)
     writer = _writer_with_metadata(reader, real, seed)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, int(t.n_bytes),
                                raw_dtype=t.tensor_type)
-    writer.open_output_file(out)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        fout = writer.fout[0]
-        for index, t in enumerate(reader.tensors):
-            writer.write_padding(fout, fout.tell())
-            for chunk in _twin_chunks(t, np.random.default_rng([seed, index]), quantize,
-                                      factors.get(t.name, 1.0)):
-                fout.write(chunk)
-            if progress:
-                progress(int(t.n_bytes))
-        writer.write_padding(fout, fout.tell())
-        fout.flush()
-        os.fsync(fout.fileno())
-        return fout.tell()
-    finally:
-        writer.close()
+    tensors = ((int(t.n_bytes), _twin_chunks(t, np.random.default_rng([seed, index]),
+                                             quantize, factors.get(t.name, 1.0)))
+               for index, t in enumerate(reader.tensors))
+    return write_tensor_data(writer, out, tensors, progress)
 
 
 def _check_types(reader: GGUFReader, path: Path) -> None:
@@ -168,7 +146,7 @@ def _encode(rows: np.ndarray, kind: GGMLQuantizationType, quantize: Quantizer) -
 def twin_mismatch(real: Path, twin: Path) -> str | None:
     """The first way the twin's tensor table differs from the real file's (count, name,
     shape, type, bytes, offset from the data start, alignment), or None when it matches."""
-    a, b = read_real(real), read_real(twin)
+    a, b = open_gguf(real), open_gguf(twin)
     if len(a.tensors) != len(b.tensors):
         return f"{len(b.tensors)} tensors, the real file has {len(a.tensors)}"
     if a.alignment != b.alignment:

@@ -1,0 +1,55 @@
+"""Which experts tokens pick: the metrics on known selections, and the recorder on a tiny
+mixture of experts."""
+
+from harness.core.costs import consecutive_overlap, experts_touched, uniform_overlap
+from harness.core.dtypes import DTYPES
+from harness.core.specs import resolve_spec
+from harness.engine.build import build
+from harness.engine.routing import expert_selections, routing_stats
+
+
+def test_overlap_and_union_on_known_selections():
+    steps = [[0, 1], [1, 2], [2, 1], [3, 4]]
+    assert consecutive_overlap(steps) == (1 + 2 + 0) / 3
+    assert consecutive_overlap([[0, 1]]) is None
+    assert experts_touched(steps) == 5
+    assert uniform_overlap(8, 2) == 0.5 and uniform_overlap(32, 8) == 2.0
+
+
+def test_the_recorder_reads_every_layers_choices_from_the_graph():
+    spec = resolve_spec("tiny-granitemoe")
+    path = build(spec, DTYPES["f32"]).path
+    chosen = expert_selections(path, n_prompt=16, n_decode=5, threads=1)
+    layers = list(range(spec.num_hidden_layers))
+    assert sorted(chosen["decode"]) == layers and sorted(chosen["prefill"]) == layers
+    for layer in layers:
+        assert len(chosen["decode"][layer]) == 5
+        assert len(chosen["prefill"][layer]) in (1, 16)  # the last layer keeps the last token
+        for picked in chosen["prefill"][layer] + chosen["decode"][layer]:
+            assert len(set(picked)) == spec.num_experts_per_tok
+            assert all(0 <= e < spec.num_experts for e in picked)
+    rows = routing_stats(chosen, spec)
+    assert [r["layer"] for r in rows] == layers
+    assert all(0 <= r["decode_overlap"] <= spec.num_experts_per_tok for r in rows)
+
+
+def test_routing_of_a_dense_model_is_refused_in_one_line(run_cli):
+    result = run_cli("routing", "tiny-llama")
+    assert result.exit_code == 2 and "has no experts" in result.stderr
+
+
+def test_a_prefill_ubatch_reads_the_union_of_its_tokens_experts():
+    from harness.analysis.phases import prefill_weight_n_bytes
+    from harness.core.costs import expert_union_fraction
+
+    spec = resolve_spec("granite-3.0-1b-a400m")
+    k_of_e = spec.num_experts_per_tok / spec.num_experts
+    model = {"decode_weight_n_bytes": 1000.0, "expert_n_bytes": 3200.0}
+    assert prefill_weight_n_bytes(model, spec, 1, 512) == 1000.0  # one token: k of E
+    union = expert_union_fraction(spec.num_experts, spec.num_experts_per_tok, 512)
+    full = 1000.0 + 3200.0 * (union - k_of_e)
+    assert prefill_weight_n_bytes(model, spec, 512, 512) == full
+    assert full > 3200.0 * 0.99  # a 512-token ubatch reads nearly every expert
+    two = prefill_weight_n_bytes(model, spec, 600, 512)  # a full ubatch and one of 88
+    assert two == full + 1000.0 + 3200.0 * (expert_union_fraction(
+        spec.num_experts, spec.num_experts_per_tok, 88) - k_of_e)
