@@ -244,7 +244,10 @@ def routing(model: str, dtype: str, prompt: int, generate: int, threads: int, se
     if not spec.is_moe:
         raise HarnessError(f"{spec.name} has no experts", key="MODEL",
                            fix="name a mixture of experts, e.g. granite-3.0-1b-a400m")
-    chosen = expert_selections(path, prompt, generate, threads or physical_cores(), seed)
+    from .engine.llama import Model
+
+    with Model(path) as loaded:
+        chosen = expert_selections(loaded, prompt, generate, threads or physical_cores(), seed)
     click.echo(markdown_table(routing_table(routing_stats(chosen, spec), spec.name)))
 
 

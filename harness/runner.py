@@ -307,8 +307,9 @@ class _Rounds:
                 continue
             huge[key] = huge_mapped_n_bytes(path)
             if key not in self.infos:
+                threads = max(m.settings.threads for m in self.todo if m.model.key == key)
                 self.infos[key] = _model_record(self.writer, ref, path, self.models[key],
-                                                huge[key])
+                                                huge[key], threads)
                 self.pages[key] = self.prober.pages(path, dtypes,
                                                     self.infos[key]["decode_type_n_bytes"])
         if self.reload:
@@ -549,7 +550,7 @@ def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Conso
 
 
 def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
-                  huge_n_bytes: int | None = None) -> dict:
+                  huge_n_bytes: int | None = None, threads: int = 1) -> dict:
     key = ref.key
     if key in writer.records.models:
         return writer.records.models[key]
@@ -575,8 +576,27 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(), "huge_mapped_n_bytes": huge_n_bytes,
         "mmap": getattr(model, "use_mmap", None),
+        "routing": _routing(model, spec, threads) if spec.is_moe else None,
     } | (_twin_fields(ref, path) if ref.in_twin_pair else {}))
     return writer.records.models[key]
+
+
+ROUTING_PROMPT, ROUTING_DECODE = 512, 32  # one full ubatch; a short generation
+
+
+def _routing(model, spec: ModelSpec, threads: int) -> dict | None:
+    """Which experts a mixture of experts' tokens pick, per layer (harness.engine.routing): a
+    512-token prefill and 32 decode steps, untimed, before the measurements; None when it
+    cannot run (recorded as missing, never guessed)."""
+    from .engine.routing import expert_selections, routing_stats
+
+    n_prompt = min(ROUTING_PROMPT, spec.max_position_embeddings - ROUTING_DECODE)
+    try:
+        chosen = expert_selections(model, n_prompt, ROUTING_DECODE, threads)
+    except (MeasurementError, MemoryError):
+        return None
+    return {"n_prompt": n_prompt, "n_decode": ROUTING_DECODE,
+            "layers": routing_stats(chosen, spec)}
 
 
 def _twin_fields(ref: ModelRef, path: Path) -> dict:

@@ -100,3 +100,30 @@ def test_batching_an_moe_model_is_set_against_the_union_of_experts(moe_run):
     dense = [r for r in a["batching"] if r["model"] == "tiny-qwen2" and r["parallel"] == 4]
     assert dense[0]["bytes_speedup"] > rows[2]["bytes_speedup"]
     assert "the union of their experts" in render_markdown(report_data(moe_run, a))
+
+
+def test_the_run_records_which_experts_a_moe_models_tokens_picked(moe_run):
+    from harness.analysis.phases import prefill_weight_n_bytes
+    from harness.levers.experts import experts_table, routing_rows
+
+    spec = resolve_spec("tiny-qwen3moe")
+    moe = next(m for m in moe_run.models.values() if m["model"] == "tiny-qwen3moe")
+    dense = next(m for m in moe_run.models.values() if m["model"] == "tiny-qwen2")
+    assert dense["routing"] is None
+    layers = moe["routing"]["layers"]
+    assert [r["layer"] for r in layers] == list(range(spec.num_hidden_layers))
+    assert all(r["decode_steps"] == moe["routing"]["n_decode"] for r in layers)
+    rows = routing_rows(moe_run.models)
+    assert [r["model"] for r in rows] == ["tiny-qwen3moe"]
+    assert rows[0]["experts"] == f"{spec.num_experts_per_tok} of {spec.num_experts}"
+    tables = experts_table({"experts": [], "routing": rows})
+    assert tables == []  # the routing table comes with the experts table only
+    # a ubatch the size the run recorded reads the experts it recorded, not the expectation
+    n = moe["routing"]["n_prompt"]
+    whole = [r for r in layers if r["prefill_tokens"] == n]
+    share = sum(r["prefill_touched"] / r["n_experts"] for r in whole) / len(whole)
+    k_of_e = spec.num_experts_per_tok / spec.num_experts
+    assert prefill_weight_n_bytes(moe, spec, n, n) == pytest.approx(
+        moe["decode_weight_n_bytes"] + moe["expert_n_bytes"] * (share - k_of_e))
+    expected = step_weight_n_bytes(moe["decode_weight_n_bytes"], moe["expert_n_bytes"], spec, 7)
+    assert prefill_weight_n_bytes(moe, spec, 7, 7) == pytest.approx(expected)

@@ -5,6 +5,7 @@ from harness.core.costs import consecutive_overlap, experts_touched, uniform_ove
 from harness.core.dtypes import DTYPES
 from harness.core.specs import resolve_spec
 from harness.engine.build import build
+from harness.engine.llama import Model
 from harness.engine.routing import expert_selections, routing_stats
 
 
@@ -19,7 +20,8 @@ def test_overlap_and_union_on_known_selections():
 def test_the_recorder_reads_every_layers_choices_from_the_graph():
     spec = resolve_spec("tiny-granitemoe")
     path = build(spec, DTYPES["f32"]).path
-    chosen = expert_selections(path, n_prompt=16, n_decode=5, threads=1)
+    with Model(path) as model:
+        chosen = expert_selections(model, n_prompt=16, n_decode=5, threads=1)
     layers = list(range(spec.num_hidden_layers))
     assert sorted(chosen["decode"]) == layers and sorted(chosen["prefill"]) == layers
     for layer in layers:

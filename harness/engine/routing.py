@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 
@@ -14,29 +13,28 @@ TOPK_PREFIX = "ffn_moe_topk"  # llama.cpp's name for the chosen experts: [k, n_t
 _LAYER = re.compile(r"-(\d+)$")
 
 
-def expert_selections(path: Path, n_prompt: int, n_decode: int, threads: int,
+def expert_selections(model, n_prompt: int, n_decode: int, threads: int,
                       seed: int = 0) -> dict[str, dict[int, list[list[int]]]]:
-    """The experts each token picks per layer ({"prefill": {layer: [[e, ...] per token]},
-    "decode": {layer: [[e, ...] per step]}}): one prefill of n_prompt random tokens in one
-    ubatch, then n_decode single-token steps (random tokens too)."""
-    from .llama import Context, ContextParams, GraphTrace, Model
+    """The experts each token of a loaded model picks per layer ({"prefill": {layer: [[e, ...]
+    per token]}, "decode": {layer: [[e, ...] per step]}}): one prefill of n_prompt random
+    tokens in one ubatch, then n_decode single-token steps (random tokens too), in a context
+    of its own that is closed after."""
+    from .llama import Context, ContextParams, GraphTrace
 
     trace = GraphTrace(capture=(TOPK_PREFIX,))
     rng = np.random.default_rng([seed, 4])
-    n_ctx = 256 * -(-(n_prompt + n_decode) // 256)
+    vocab = model.info().n_vocab
+    params = ContextParams(n_ctx=256 * -(-(n_prompt + n_decode) // 256), n_batch=n_prompt,
+                           n_ubatch=n_prompt, n_threads=threads)
     out: dict[str, dict[int, list[list[int]]]] = {"prefill": {}, "decode": {}}
-    with Model(path) as model:
-        vocab = model.info().n_vocab
-        params = ContextParams(n_ctx=n_ctx, n_batch=n_prompt, n_ubatch=n_prompt,
-                               n_threads=threads)
-        context = Context(model, params, trace)
-        try:
-            context.prefill([int(x) for x in rng.integers(vocab // 4, vocab, n_prompt)])
-            _collect(trace, out["prefill"])
-            context.decode([int(x) for x in rng.integers(vocab // 4, vocab, n_decode)])
-            _collect(trace, out["decode"])
-        finally:
-            context.close()
+    context = Context(model, params, trace)
+    try:
+        context.prefill([int(x) for x in rng.integers(vocab // 4, vocab, n_prompt)])
+        _collect(trace, out["prefill"])
+        context.decode([int(x) for x in rng.integers(vocab // 4, vocab, n_decode)])
+        _collect(trace, out["decode"])
+    finally:
+        context.close()
     return out
 
 

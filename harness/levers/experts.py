@@ -90,8 +90,41 @@ def _expert_row(r: dict, model: dict, gb_s: float | None, basis: str) -> dict:
             "follows": follows, "flags": r["flags"]}
 
 
+def routing_rows(models: dict) -> list[dict]:
+    """Per mixture of experts with recorded routing: the range over its layers of the experts
+    a prefill touched and of what consecutive decode steps shared, beside uniform routing."""
+    rows = []
+    for _, model in sorted(models.items()):
+        layers = (model.get("routing") or {}).get("layers") or []
+        whole = [r for r in layers if r["prefill_touched"] is not None
+                 and r["prefill_tokens"] == model["routing"]["n_prompt"]]
+        overlap = [r["decode_overlap"] for r in layers if r["decode_overlap"] is not None]
+        if not layers or not overlap:
+            continue
+        first = layers[0]
+        rows.append({"model": model["model"], "dtype": model["dtype"],
+                     "experts": f"{first['k']} of {first['n_experts']}",
+                     "n_prompt": model["routing"]["n_prompt"],
+                     "n_decode": model["routing"]["n_decode"],
+                     "touched": _span([r["prefill_touched"] for r in whole]),
+                     "touched_uniform": whole[0]["prefill_uniform"] if whole else None,
+                     "n_full": sum(r["prefill_touched"] >= 0.95 * r["n_experts"] for r in whole),
+                     "n_layers": len(whole),
+                     "overlap": _span(overlap, "{:.1f}"),
+                     "overlap_uniform": first["uniform_overlap"],
+                     "decode_touched": _span([r["decode_touched"] for r in layers])})
+    return rows
+
+
+def _span(values: list, fmt: str = "{}") -> str:
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
+
+
 def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
-    return {"experts": expert_rows(models, phases)}
+    return {"experts": expert_rows(models, phases), "routing": routing_rows(models)}
 
 
 # --- table
@@ -100,9 +133,35 @@ def experts_table(analysis: dict) -> list[Table]:
     rows = analysis.get("experts") or []
     if not rows:
         return []
+    return [_experts_main_table(rows)] + _routing_summary(analysis.get("routing") or [])
+
+
+def _routing_summary(rows: list[dict]) -> list[Table]:
+    if not rows:
+        return []
+    return [Table("routing", "Which experts the tokens picked", [
+        Column("model", "model"), Column("dtype", "dtype"),
+        Column("experts per token", "experts"), Column("prefill tokens", "n_prompt", "int"),
+        Column("experts a prefill touched, per layer", "touched"),
+        Column("if uniform", "touched_uniform", "f1"),
+        Column("layers with ≥ 95% touched", "n_full", "int"),
+        Column("layers", "n_layers", "int"),
+        Column("decode steps", "n_decode", "int"),
+        Column("shared by consecutive steps, per layer", "overlap"),
+        Column("if uniform (k²/E)", "overlap_uniform", "f2"),
+        Column("experts over the decode, per layer", "decode_touched")], rows,
+        ["Read from llama.cpp's graph (the ffn_moe_topk tensor) in one untimed prefill of "
+         "random tokens in one ubatch and the decode steps after it, before the measurements; "
+         "ranges over the layers (the last layer, which a prefill runs on its last token only, "
+         "is left out of the prefill columns). If uniform: every token picking k of E "
+         "independently and uniformly at random. `harness routing MODEL` prints every "
+         "layer."])]
+
+
+def _experts_main_table(rows: list[dict]) -> Table:
     rows = [r | {"of_active_shown": r.get("of_active_ci") or (
         {"n": 1, "median": r["of_active"]} if r.get("of_active") else None)} for r in rows]
-    return [Table("experts", "Mixture of experts: file size or active bytes?", [
+    return Table("experts", "Mixture of experts: file size or active bytes?", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("experts per token", "experts"),
         Column("file + KV GB", "file_n_bytes", "gb"),
@@ -111,7 +170,7 @@ def experts_table(analysis: dict) -> list[Table]:
         Column("file size predicts tok/s", "by_file_tok_s", "f1"),
         Column("active bytes predict tok/s", "by_active_tok_s", "f1"),
         Column("measured ÷ active prediction", "of_active_shown", "stat2"),
-        Column("follows", "follows")], rows, experts_notes(rows))]
+        Column("follows", "follows")], rows, experts_notes(rows))
 
 
 def experts_notes(rows: list[dict]) -> list[str]:
@@ -121,8 +180,8 @@ def experts_notes(rows: list[dict]) -> list[str]:
            "everything outside the experts (router and shared experts included) and k/E of "
            "the experts. Both predictions are bandwidth ÷ bytes (KV cache included), one with "
            "the whole file, one with the active bytes. The weights are random, so the router "
-           "picks experts uniformly; trained routers are skewed, which changes which experts "
-           "are read, not how many per token."]
+           "does not pick as a trained one does (see which experts the tokens picked, where "
+           "recorded); that changes which experts are read, not how many per token."]
     for r in rows:
         if r["moe"] and r["follows"]:
             out.append(
@@ -169,7 +228,7 @@ def experts(analysis: dict, out_dir: Path) -> str | None:
     return save(fig, out_dir, "experts")
 
 
-LEVER = Lever("experts", analyze, experts_table, ("experts",), experts, "experts",
+LEVER = Lever("experts", analyze, experts_table, ("experts", "routing"), experts, "experts",
               "Measured decode tok/s of each model beside the tok/s its file size and its "
               "active bytes predict")
 

@@ -140,8 +140,9 @@ def use_table(data: dict) -> Table | None:
         ["Prefill multiplies each weight matrix by a whole ubatch of tokens: it reads the "
          "weights once per ubatch and spends the machine's arithmetic. Decode multiplies them "
          "by one token: it reads every weight per token and leaves the arithmetic idle. "
-         + ("A mixture of experts' ubatch reads the expected union of its tokens' experts "
-            "(every token picking k of E at random), one decode token k of E. "
+         + ("A mixture of experts' ubatch reads the union of its tokens' experts (as the run "
+            "recorded them for a ubatch of that size, else the expected union with every "
+            "token picking k of E at random), one decode token k of E. "
             if any(u.get("moe") for u in rows) else "") +
          "Compute peak and streaming bandwidth: llama.cpp's own kernels for this model's "
          "weight types, measured in this run."] + ceiling_share_notes(
