@@ -281,9 +281,9 @@ class _Rounds:
         keys = list(dict.fromkeys(m.model.key for m in active))
         self._unload()
         clock = time.monotonic()
-        loaded = self._load(keys if round_index % 2 == 0 else keys[::-1], round_index)
+        self._load(keys if round_index % 2 == 0 else keys[::-1], round_index)
         self.clock += time.monotonic() - clock  # loading is not measuring: the budget skips it
-        return [m for m in active if m in loaded]
+        return [m for m in active if m.model.key in self.models]
 
     def _load(self, keys: list[str], round_index: int | None = None) -> list[Measurement]:
         from .engine.llama import Model
@@ -463,13 +463,13 @@ def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | Non
 def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> int:
     need, seen = 0, set()
     for m in todo:
-        key = (m.model.spec_name, m.model.dtype)
-        if m.model.twin_of and key not in seen:
-            need += m.model.twin_of.stat().st_size  # at most: a cached twin needs none
-        if m.model.file or key in seen:
-            seen.add(key)
+        if m.model.key in seen:
             continue
-        seen.add(key)
+        seen.add(m.model.key)
+        if m.model.twin_of:
+            need += m.model.twin_of.stat().st_size  # at most: a cached twin needs none
+        if m.model.file:
+            continue
         need += missing_build_n_bytes(resolve_spec(m.model.ref), DTYPES[m.model.dtype],
                                       scenario.seed, cache_dir)
     return need
@@ -575,7 +575,7 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
         "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(), "huge_mapped_n_bytes": huge_n_bytes,
-        "mmap": getattr(model, "use_mmap", None),
+        "mmap": model.use_mmap,
         "routing": _routing(model, spec, threads) if spec.is_moe else None,
     } | (_twin_fields(ref, path) if ref.in_twin_pair else {}))
     return writer.records.models[key]

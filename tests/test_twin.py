@@ -244,3 +244,18 @@ def test_harness_twin_refuses_a_file_that_is_not_gguf(run_cli, tmp_path):
     bad.write_text("not a model")
     result = run_cli("twin", str(bad))
     assert result.exit_code == 2 and "not a GGUF file" in result.stderr
+
+
+def test_a_real_files_hash_is_remembered_until_the_file_changes(tmp_path):
+    import hashlib
+    import os
+
+    from harness.engine.build import file_sha256
+
+    path = tmp_path / "real.gguf"
+    path.write_bytes(b"GGUF one")
+    assert file_sha256(path) == hashlib.sha256(b"GGUF one").hexdigest()
+    assert file_sha256(path) == hashlib.sha256(b"GGUF one").hexdigest()  # remembered
+    path.write_bytes(b"GGUF two!")
+    os.utime(path, ns=(1, 1))
+    assert file_sha256(path) == hashlib.sha256(b"GGUF two!").hexdigest()

@@ -188,11 +188,20 @@ def valid_cache_entry(path: Path) -> bool:
             and head[:4] == GGUF_MAGIC and struct.unpack("<I", head[4:8])[0] in (2, 3))
 
 
+_SHA256_SEEN: dict[tuple, str] = {}  # (path, size, mtime) -> digest, for files with no manifest
+
+
 def file_sha256(path: Path) -> str:
-    """SHA-256 of a model file, remembered in its cache manifest once computed."""
+    """SHA-256 of a model file, remembered in its cache manifest once computed (a file outside
+    the cache, such as a real model a twin copies, for the life of the process while its size
+    and modification time stay the same)."""
     manifest = read_manifest(path)
-    if manifest and manifest.get("sha256") and manifest.get("n_bytes") == path.stat().st_size:
+    stat = path.stat()
+    if manifest and manifest.get("sha256") and manifest.get("n_bytes") == stat.st_size:
         return manifest["sha256"]
+    seen = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if not manifest and seen in _SHA256_SEEN:
+        return _SHA256_SEEN[seen]
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(16 << 20):
@@ -201,6 +210,8 @@ def file_sha256(path: Path) -> str:
         manifest["sha256"] = digest.hexdigest()
         with contextlib.suppress(OSError):
             write_json_atomically(manifest_path(path), manifest)
+    else:
+        _SHA256_SEEN[seen] = digest.hexdigest()
     return digest.hexdigest()
 
 

@@ -837,9 +837,10 @@ def _value_stats(t: _GgmlTensor) -> dict | None:
         return None
     finite = np.isfinite(x)
     y = x[finite] if not finite.all() else x
-    return {"n": int(x.size), "non_finite": int(x.size - finite.sum()),
-            "min": float(y.min()) if y.size else None, "max": float(y.max()) if y.size else None,
-            "rms": float(np.sqrt(np.mean(np.square(y, dtype=np.float64)))) if y.size else None,
-            "beyond_10": float(np.mean(np.abs(y) > 10)) if y.size else None,
-            "subnormal": float(np.mean((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny)))
-            if y.size else None}
+    out = {"n": int(x.size), "non_finite": int(x.size - finite.sum())}
+    if not y.size:
+        return out | dict.fromkeys(("min", "max", "rms", "beyond_10", "subnormal"))
+    return out | {"min": float(y.min()), "max": float(y.max()),
+                  "rms": float(np.sqrt(np.mean(np.square(y, dtype=np.float64)))),
+                  "beyond_10": float(np.mean(np.abs(y) > 10)),
+                  "subnormal": float(np.mean((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny)))}

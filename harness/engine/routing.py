@@ -6,7 +6,12 @@ import re
 
 import numpy as np
 
-from ..core.costs import consecutive_overlap, experts_touched, uniform_overlap
+from ..core.costs import (
+    consecutive_overlap,
+    expert_union_fraction,
+    experts_touched,
+    uniform_overlap,
+)
 from ..core.specs import ModelSpec
 
 TOPK_PREFIX = "ffn_moe_topk"  # llama.cpp's name for the chosen experts: [k, n_tokens] of I32
@@ -40,7 +45,7 @@ def expert_selections(model, n_prompt: int, n_decode: int, threads: int,
 
 def _collect(trace, into: dict[int, list[list[int]]]) -> None:
     for name, values in trace.captured:
-        layer = int(_LAYER.search(name).group(1)) if _LAYER.search(name) else -1
+        layer = int(found.group(1)) if (found := _LAYER.search(name)) else -1
         into.setdefault(layer, []).extend(values.reshape(-1, values.shape[-1]).tolist())
     trace.captured.clear()
 
@@ -48,8 +53,6 @@ def _collect(trace, into: dict[int, list[list[int]]]) -> None:
 def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
     """Per layer: the experts the prefill touched (and what tokens picking uniformly at random
     would touch), and what consecutive decode steps share (and k²/E, the uniform figure)."""
-    from ..core.costs import expert_union_fraction
-
     n_experts, k = spec.num_experts, spec.num_experts_per_tok
     rows = []
     for layer in sorted(set(selections["prefill"]) | set(selections["decode"])):

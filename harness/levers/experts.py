@@ -238,8 +238,7 @@ LEVER = Lever("experts", analyze, experts_table, ("experts", "routing"), experts
 def routing_table(rows: list[dict], model: str) -> Table:
     """Per layer: experts a prefill touched and consecutive decode steps shared, beside what
     tokens picking uniformly at random would give."""
-    first = rows[0] if rows else {"n_experts": 0, "k": 0, "prefill_tokens": 0,
-                                  "decode_steps": 0}
+    first = rows[0] if rows else {"n_experts": 0, "k": 0}
     return Table("routing", f"Expert routing of {model}", [
         Column("layer", "layer", "int"), Column("prefill tokens", "prefill_tokens", "int"),
         Column("experts touched", "prefill_touched", "int"),

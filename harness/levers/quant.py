@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..analysis.ceilings import is_plain
 from ..core.stats import center
+from ..engine.scenario import TWIN_PAIR
 from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, group_records, group_rows, round_ratio, unpaired_note
@@ -32,7 +33,7 @@ def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
     """Per model and thread count with two or more dtypes: bytes, speeds and speed-ups."""
     # a twin pair is one file's values against random ones, not two types (levers/twins.py)
     plain = [m for m in measurements if is_plain(m) and m["model_key"] in models
-             and m["dtype"] not in ("real", "twin")]
+             and m["dtype"] not in TWIN_PAIR]
     rows = []
     for group in group_records(plain, lambda m: (m["model"], m["threads"])):
         by_dtype: dict[str, dict] = {}

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.rounds import PAIRING_FIELDS
 from ..core.stats import decide
+from ..engine.scenario import TWIN_PAIR
 from ..render.plotkit import plt, save
 from ..render.tabular import Column, Table
 from .common import Lever, round_ratio
 
 TOLERANCE = 0.02  # the twin stands in for the real file when twin ÷ real lies within ±2%
 PHASES = ("prefill", "decode")
-_SETTINGS = ("model", "threads", "n_prompt", "n_gen", "n_batch", "n_ubatch", "flash_attn",
-             "depth", "kv_type", "parallel", "shared_prefix")
+_SETTINGS = tuple(f for f in PAIRING_FIELDS if f != "dtype")  # what a pair shares
 
 # --- analysis
 
@@ -25,7 +26,7 @@ def twin_rows(measurements: list[dict], models: dict) -> list[dict]:
     the verdict on ±TOLERANCE."""
     by_key: dict[tuple, dict] = {}
     for m in measurements:
-        if m.get("dtype") in ("real", "twin"):
+        if m.get("dtype") in TWIN_PAIR:
             by_key.setdefault(tuple(m.get(k) for k in _SETTINGS), {})[m["dtype"]] = m
     rows = []
     for pair in by_key.values():

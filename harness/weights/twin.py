@@ -58,21 +58,21 @@ def write_twin(real: Path, out: Path, seed: int, quantize: Quantizer,
 
 
 def _check_types(reader: GGUFReader, path: Path) -> None:
-    """Refuse, before writing anything, a tensor whose type cannot be read or written here."""
+    """Refuse, before writing anything, a type whose values cannot be read here (named by its
+    first tensor)."""
+    first: dict[GGMLQuantizationType, str] = {}
     for t in reader.tensors:
-        kind = t.tensor_type
+        first.setdefault(t.tensor_type, t.name)
+    for kind, name in first.items():
         if kind in DIRECT or kind == GGMLQuantizationType.BF16:
             continue
-        block = GGML_QUANT_SIZES.get(kind, (0, 0))[0]
         try:
             dequantize(np.zeros(GGML_QUANT_SIZES[kind][1], dtype=np.uint8), kind)
         except (NotImplementedError, KeyError):
-            block = 0
-        if not block:
-            raise HarnessError(f"tensor {t.name} is {kind.name}, a type the twin cannot read "
+            raise HarnessError(f"tensor {name} is {kind.name}, a type the twin cannot read "
                                "the statistics of", source=str(path),
                                fix="twin a file whose tensors are F32, F16, BF16 or quantized "
-                                   "types gguf-py can dequantize")
+                                   "types gguf-py can dequantize") from None
 
 
 def _writer_with_metadata(reader: GGUFReader, real: Path, seed: int) -> GGUFWriter:
