@@ -12,10 +12,16 @@ from harness.core.specs import n_params, resolve_spec, tensor_plan
 from harness.engine import build as build_mod
 from harness.engine.build import build, cache_dir, valid_cache_entry
 from harness.engine.llama import Context, ContextParams, Model
-from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes
+from harness.weights import gguf_build
+from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes, write_gguf
+from harness.weights.gguf_inspect import identical_weights, tensor_data_span
 
 TINY = ["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3",
         "tiny-mixtral", "tiny-granitemoe", "tiny-olmoe", "tiny-qwen2moe", "tiny-qwen3moe"]
+
+
+# tiny-llama, F16, seed 0: the tensor data written by builder version 1
+DENSE_V1_TENSOR_SHA256 = "c0ad71425bc1427fcb39bda424a73d06617943a267edcbf580a3028727f9413a"
 
 
 def sha256(path) -> str:
@@ -70,6 +76,47 @@ def test_weights_have_realistic_scale():
     assert abs(float(q.std()) - WEIGHT_STD) < 0.002 and abs(float(q.mean())) < 0.002
     assert np.all(data["blk.1.ffn_norm.weight"] == 1.0)
     assert not np.array_equal(data["blk.0.attn_q.weight"], data["blk.1.attn_q.weight"])
+
+
+def test_moe_weights_keep_each_tokens_own_state_in_charge_of_routing():
+    spec = resolve_spec("tiny-olmoe")
+    reader = GGUFReader(build(spec, DTYPES["f32"]).path)
+    data = {t.name: np.asarray(t.data) for t in reader.tensors}
+    residual_std = WEIGHT_STD / math.sqrt(2 * spec.num_hidden_layers)
+    assert abs(float(data["token_embd.weight"].std()) - gguf_build.MOE_EMBEDDING_STD) < 0.05
+    for name in ("blk.0.attn_output.weight", "blk.1.ffn_down_exps.weight"):
+        assert abs(float(data[name].std()) - residual_std) < 0.1 * residual_std
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_gate_inp.weight", "output.weight"):
+        assert abs(float(data[name].std()) - WEIGHT_STD) < 0.1 * WEIGHT_STD
+    dense = GGUFReader(build(resolve_spec("tiny-llama"), DTYPES["f32"]).path)
+    assert abs(float(np.asarray(dense.tensors[0].data).std()) - WEIGHT_STD) < 0.002
+
+
+def test_no_two_experts_hold_the_same_bytes(tmp_path, monkeypatch):
+    # A pool smaller than an expert tensor: laid cyclically from one start, experts i and i + 2
+    # of tiny-olmoe (2,048 elements each) would repeat; each expert has its own start now.
+    monkeypatch.setattr(gguf_build, "POOL_ELEMENTS", 4096)
+    for name in ("tiny-olmoe", "tiny-qwen2moe", "tiny-mixtral"):
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(resolve_spec(name), DTYPES["f16"], 0, path)
+        assert identical_weights(path) == []
+    dup = tmp_path / "dup.gguf"
+    monkeypatch.setattr(gguf_build, "pool_starts", lambda spec, tensors, seed, n: [
+        [0] * (t.plan.shape[0] if t.plan.role == "expert" else 1) for t in tensors])
+    write_gguf(resolve_spec("tiny-olmoe"), DTYPES["f16"], 0, dup)
+    assert ("blk.0.ffn_gate_exps.weight[0]", "blk.0.ffn_gate_exps.weight[1]") in (
+        identical_weights(dup))
+
+
+def test_dense_weights_are_the_bytes_of_builder_version_1(tmp_path):
+    # Dense files keep version 1 (BUILDER_VERSIONS): their tensor bytes must not move.
+    path = tmp_path / "tiny-llama.gguf"
+    write_gguf(resolve_spec("tiny-llama"), DTYPES["f16"], 0, path)
+    start, n_bytes = tensor_data_span(path)
+    with path.open("rb") as f:
+        f.seek(start)
+        digest = hashlib.sha256(f.read(n_bytes)).hexdigest()
+    assert digest == DENSE_V1_TENSOR_SHA256
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q4_0"])

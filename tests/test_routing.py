@@ -1,6 +1,8 @@
 """Which experts tokens pick: the metrics on known selections, and the recorder on a tiny
 mixture of experts."""
 
+from dataclasses import replace
+
 from harness.core.costs import consecutive_overlap, experts_touched, uniform_overlap
 from harness.core.dtypes import DTYPES
 from harness.core.specs import resolve_spec
@@ -55,3 +57,20 @@ def test_a_prefill_ubatch_reads_the_union_of_its_tokens_experts():
     two = prefill_weight_n_bytes(model, spec, 600, 512)  # a full ubatch and one of 88
     assert two == full + 1000.0 + 3200.0 * (expert_union_fraction(
         spec.num_experts, spec.num_experts_per_tok, 88) - k_of_e)
+
+
+def test_a_deep_built_mixture_routes_each_token_on_its_own(tmp_path):
+    # 12 layers of tiny OLMoE with 16 experts: with every tensor at N(0, 0.02) its deep layers
+    # sent a whole sequence to 8-10 of the 16 experts, consecutive steps sharing about 5x
+    # uniform's k^2/E; the builder's MoE init keeps routing near uniform in every layer.
+    spec = replace(resolve_spec("tiny-olmoe"), name="deep-olmoe", num_hidden_layers=12,
+                   num_experts=16)
+    path = build(spec, DTYPES["f32"], directory=tmp_path).path
+    with Model(path) as model:
+        rows = routing_stats(expert_selections(model, n_prompt=256, n_decode=32, threads=1),
+                             spec)
+    whole = [r for r in rows if r["prefill_tokens"] == 256]
+    assert len(whole) == spec.num_hidden_layers - 1  # the last layer runs the last token only
+    assert all(r["prefill_touched"] >= 0.95 * spec.num_experts for r in whole)
+    mean_overlap = sum(r["decode_overlap"] for r in rows) / len(rows)
+    assert mean_overlap < 2 * uniform_overlap(spec.num_experts, spec.num_experts_per_tok)

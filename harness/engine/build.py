@@ -19,7 +19,7 @@ from filelock import FileLock
 from ..core.dtypes import DTYPES, QUANT_SOURCE, DType
 from ..core.errors import HarnessError
 from ..core.specs import ModelSpec, n_params
-from ..weights.gguf_build import BUILDER_VERSION, file_n_bytes, write_gguf
+from ..weights.gguf_build import builder_version, file_n_bytes, write_gguf
 
 GGUF_MAGIC = b"GGUF"
 DISK_MARGIN_BYTES = 64 << 20
@@ -49,7 +49,7 @@ def cache_dir(override: str | Path | None = None) -> Path:
 
 def cache_key(spec: ModelSpec, dtype: DType, seed: int) -> str:
     """Spec content, dtype, seed, builder version (and the quantizer's llama.cpp commit)."""
-    parts = [spec.content_hash(), dtype.name, str(seed), str(BUILDER_VERSION)]
+    parts = [spec.content_hash(), dtype.name, str(seed), str(builder_version(spec))]
     if not dtype.direct:
         from .llama import version_info
 
@@ -163,7 +163,7 @@ def manifest_path(path: Path) -> Path:
 
 def _write_manifest(path: Path, spec: ModelSpec, dtype: DType, seed: int, n_bytes: int) -> None:
     """Written after the rename: a GGUF without its manifest is never taken as a hit."""
-    record = {"builder_version": BUILDER_VERSION, "spec": spec.to_dict(), "dtype": dtype.name,
+    record = {"builder_version": builder_version(spec), "spec": spec.to_dict(), "dtype": dtype.name,
               "seed": seed, "n_bytes": n_bytes, "n_params": n_params(spec), "sha256": None}
     write_json_atomically(manifest_path(path), record)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,9 +18,18 @@ from ..core.costs import TensorEntry, active_expert_fraction, decode_weight_n_by
 from ..core.dtypes import DTYPES, DType
 from ..core.specs import ARCHS, ModelSpec, TensorPlan, tensor_plan
 
-# Bump when the bytes the builder writes change: it is part of every cache key.
-BUILDER_VERSION = 1
+# Bump when the bytes the builder writes change: it is part of every cache key. One version
+# per family, so that a change to how mixtures of experts are written leaves dense files (and
+# the runs made on them) as they were.
+BUILDER_VERSIONS = {"dense": 1, "moe": 2}
 WEIGHT_STD = 0.02  # the init scale of GPT-2/Llama-style models: keeps logits finite
+# Mixtures of experts only (docs/twins.md, "Expert routing"): with every tensor at N(0, 0.02),
+# attention builds a per-sequence average that dominates the hidden state, so a sequence's
+# tokens keep picking the same experts. Token embeddings at unit RMS (as Gemma 3 270M's enter
+# its residual stream, 1.03 measured) and residual output projections scaled by 1/sqrt(2L) (the
+# GPT-2 paper's init, as nanoGPT writes it) keep each token's own state in charge of routing.
+MOE_EMBEDDING_STD = 1.0
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
 # 2**24 normal floats (64 MiB at F32), made once per build and laid across the tensors at
 # random offsets. Caches and prefetchers work on addresses, not values, so every tensor still
 # occupies its own bytes of the file and is read from memory in full: the same traffic and the
@@ -73,10 +83,40 @@ def write_gguf(spec: ModelSpec, dtype: DType, seed: int, path: Path,
         writer.add_tensor_info(t.plan.name, shape, np_dtype, t.n_bytes, raw_dtype=t.ggml_type)
     pool_elements = min(POOL_ELEMENTS, max(t.plan.n_elements for t in tensors))
     pools = _Pools(seed, pool_elements)
-    offsets = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
-    return write_tensor_data(writer, path, ((t.n_bytes, pools.chunks(t, int(offset)))
-                                            for t, offset in zip(tensors, offsets, strict=True)),
-                             progress)
+    starts = pool_starts(spec, tensors, seed, pool_elements)
+    return write_tensor_data(writer, path, (
+        (t.n_bytes, pools.chunks(t, offsets, weight_std(spec, t.plan)))
+        for t, offsets in zip(tensors, starts, strict=True)), progress)
+
+
+def builder_version(spec: ModelSpec) -> int:
+    """The version of the bytes the builder writes for this spec's family."""
+    return BUILDER_VERSIONS["moe" if spec.is_moe else "dense"]
+
+
+def weight_std(spec: ModelSpec, plan: TensorPlan) -> float:
+    """The spread a tensor's weights are drawn with (norms are ones whatever this says)."""
+    if not spec.is_moe:
+        return WEIGHT_STD
+    if plan.role == "embedding":
+        return MOE_EMBEDDING_STD
+    if plan.name.endswith(RESIDUAL_OUTPUTS):
+        return WEIGHT_STD / math.sqrt(2 * spec.num_hidden_layers)
+    return WEIGHT_STD
+
+
+def pool_starts(spec: ModelSpec, tensors: list[PlannedTensor], seed: int,
+                pool_elements: int) -> list[list[int]]:
+    """Where in the pool each tensor starts reading (one start per expert of an expert tensor,
+    all distinct, so no two experts are the same bytes; dense files keep one random start per
+    tensor, as written since builder version 1)."""
+    if not spec.is_moe:
+        drawn = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
+        return [[int(x)] for x in drawn]
+    counts = [t.plan.shape[0] if t.plan.role == "expert" else 1 for t in tensors]
+    drawn = np.random.default_rng([seed, 1]).choice(pool_elements, sum(counts), replace=False)
+    bounds = np.cumsum([0, *counts])
+    return [[int(x) for x in drawn[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def write_tensor_data(writer: GGUFWriter, path: Path,
@@ -111,26 +151,31 @@ class _Pools:
     def __init__(self, seed: int, n_elements: int) -> None:
         rng = np.random.default_rng(seed)
         self._base = rng.standard_normal(n_elements, dtype=np.float32) * np.float32(WEIGHT_STD)
-        self._cache: dict[GGMLQuantizationType, memoryview] = {}
+        self._cache: dict[tuple[GGMLQuantizationType, float], memoryview] = {}
 
-    def _pool(self, ggml_type: GGMLQuantizationType) -> memoryview:
-        if ggml_type not in self._cache:
-            self._cache[ggml_type] = memoryview(_encode(self._base, ggml_type)).cast("B")
-        return self._cache[ggml_type]
+    def _pool(self, ggml_type: GGMLQuantizationType, std: float) -> memoryview:
+        if (ggml_type, std) not in self._cache:
+            # WEIGHT_STD itself keeps the base unscaled: dense files' bytes stay as they were
+            values = self._base if std == WEIGHT_STD else self._base * np.float32(std / WEIGHT_STD)
+            self._cache[ggml_type, std] = memoryview(_encode(values, ggml_type)).cast("B")
+        return self._cache[ggml_type, std]
 
-    def chunks(self, t: PlannedTensor, offset: int) -> Iterator[bytes | memoryview]:
-        """The tensor's bytes: norms are ones, everything else comes from the random pool."""
+    def chunks(self, t: PlannedTensor, starts: list[int],
+               std: float = WEIGHT_STD) -> Iterator[bytes | memoryview]:
+        """The tensor's bytes: norms are ones, everything else comes from the random pool, read
+        cyclically from each start (one start per equal slice: the experts of a 3-D tensor)."""
         if t.plan.role == "norm":
             yield np.ones(t.plan.n_elements, dtype=np.float32).tobytes()
             return
-        pool = self._pool(t.ggml_type)
+        pool = self._pool(t.ggml_type, std)
         item = GGML_QUANT_SIZES[t.ggml_type][1]
-        start, remaining = offset * item, t.n_bytes
-        while remaining:
-            n = min(remaining, len(pool) - start)
-            yield pool[start:start + n]
-            remaining -= n
-            start = 0
+        for start in starts:
+            start, remaining = start * item, t.n_bytes // len(starts)
+            while remaining:
+                n = min(remaining, len(pool) - start)
+                yield pool[start:start + n]
+                remaining -= n
+                start = 0
 
 
 def _encode(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
@@ -184,8 +229,11 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     """A GGUFWriter holding every KV llama.cpp needs to load and describe the model."""
     w = GGUFWriter(None, spec.architecture)
     w.add_name(f"{spec.name} (random weights)")
+    values = (f"random weights N(0, {WEIGHT_STD})" if not spec.is_moe else
+              f"random weights N(0, {WEIGHT_STD}), token embeddings N(0, {MOE_EMBEDDING_STD}), "
+              f"residual outputs N(0, {WEIGHT_STD}/sqrt(2 x layers))")
     w.add_description(f"Synthetic model with the shapes of {spec.source or spec.name}; "
-                      f"random weights N(0, {WEIGHT_STD}), seed {seed}. Made by harness.")
+                      f"{values}, seed {seed}. Made by harness.")
     w.add_file_type(int(dtype.file_type))
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -208,7 +256,7 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     _add_experts(w, spec)
     _add_tokenizer(w, spec.vocab_size, ARCH_TOKENS.get(spec.architecture, ()))
     w.add_string("harness.version", __version__)
-    w.add_uint32("harness.builder_version", BUILDER_VERSION)
+    w.add_uint32("harness.builder_version", builder_version(spec))
     w.add_uint64("harness.seed", seed)
     w.add_string("harness.spec_sha256", spec.content_hash())
     return w

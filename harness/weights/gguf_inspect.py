@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,25 @@ def tensor_table(path: Path) -> list[TensorEntry]:
     return [TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name,
                         int(t.n_bytes)) for t in reader.tensors]
 
+
+
+def identical_weights(path: Path) -> list[tuple[str, str]]:
+    """Pairs of weight matrices, or experts of one 3-D expert tensor, holding the same bytes
+    (vectors such as norms are left out: unit norms are meant to be equal)."""
+    seen: dict[bytes, str] = {}
+    pairs = []
+    for t in open_gguf(path).tensors:
+        if len(t.shape) < 2:
+            continue
+        data = np.asarray(t.data)
+        slices = ([(f"{t.name}[{i}]", data[i]) for i in range(data.shape[0])] if len(t.shape) == 3
+                  else [(t.name, data)])
+        for name, values in slices:
+            digest = hashlib.sha256(np.ascontiguousarray(values).tobytes()).digest()
+            if digest in seen:
+                pairs.append((seen[digest], name))
+            seen.setdefault(digest, name)
+    return pairs
 
 
 def tensor_data_span(path: Path) -> tuple[int, int]:
