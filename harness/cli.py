@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -56,6 +57,89 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
                            fix="pass --force to overwrite or -o to write elsewhere")
     write_text_atomically(out, render_spec_yaml(spec))
     click.echo(str(out))
+
+
+def _levels(concurrency: str | None, rate: str | None):
+    from .engine.load import Level
+
+    try:
+        levels = [Level(concurrency=int(x)) for x in (concurrency or "").split(",") if x]
+        levels += [Level(rate=float(x)) for x in (rate or "").split(",") if x]
+    except ValueError:
+        raise HarnessError("takes numbers separated by commas", key="--concurrency/--rate",
+                           fix="e.g. --concurrency 1,2,4 or --rate 0.5,1") from None
+    if any((lv.concurrency or 1) < 1 or (lv.rate is not None and lv.rate <= 0) for lv in levels):
+        raise HarnessError("levels must be positive", key="--concurrency/--rate",
+                           fix="e.g. --concurrency 1,2,4")
+    return tuple(levels) or (Level(concurrency=1),)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--dtype", default="f16", show_default=True, help="Weight type of a built spec.")
+@click.option("--server", default="xllamacpp", show_default=True,
+              help="xllamacpp (llama.cpp's server from the wheel) or a llama-server binary.")
+@click.option("--endpoint", help="Load a server already running at this URL instead.")
+@click.option("--slots", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--concurrency", default="1,2,4", show_default=True,
+              help="Closed-loop levels: requests in flight, comma-separated.")
+@click.option("--rate", help="Open-loop levels: Poisson arrivals per second, comma-separated.")
+@click.option("--requests", "n_requests", default=32, show_default=True,
+              type=click.IntRange(1, 100_000), help="Requests per level at most.")
+@click.option("--duration", "duration_s", default=120.0, show_default=True,
+              type=click.FloatRange(1, 86_400), help="Seconds per level at most.")
+@click.option("--prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--generate", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0, 100))
+@click.option("--threads", default=0, type=click.IntRange(0, 1024),
+              help="Server threads (0: llama.cpp's default).")
+@click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True))
+@click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True))
+@click.option("--prefix-cache", is_flag=True, help="Let the server reuse cached prompt prefixes.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
+def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
+          concurrency: str, rate: str | None, n_requests: int, duration_s: float, prompt: int,
+          generate: int, warmup: int, threads: int, slo_ttft_ms: float | None,
+          slo_tpot_ms: float | None, prefix_cache: bool, out: Path | None,
+          cache_dir: Path | None) -> None:
+    """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
+    TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
+    from .engine.load import Workload
+    from .engine.server import ServerSpec
+    from .serving import ServingRun, run_serving
+
+    path, n_vocab = _served_model(model, dtype, cache_dir)
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise HarnessError(f"not an http(s) URL: {endpoint}", key="--endpoint",
+                           fix="e.g. --endpoint http://127.0.0.1:8080")
+    slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms)) if v}
+    spec = None if endpoint else ServerSpec(
+        server, path, slots, ctx=slots * (prompt + generate + 16), threads=threads)
+    run = ServingRun(_levels(concurrency, rate), Workload(
+        prompt, generate, n_vocab, n_requests, duration_s, warmup, prefix_cache),
+        spec, endpoint, slo or None, Path(model).stem if model.endswith(".gguf") else model)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    report = run_serving(run, out or Path("reports/runs") / f"serve-{stamp}", sys.argv,
+                         say=lambda line: click.echo(line, err=True))
+    click.echo(str(report))
+
+
+def _served_model(model: str, dtype: str, cache_dir: Path | None) -> tuple[Path, int]:
+    """The file to serve and its vocabulary size (prompts are random ids below it)."""
+    from .engine.build import build as build_model
+    from .engine.build import check_gguf_file
+    from .weights.gguf_inspect import spec_from_gguf
+
+    if model.endswith(".gguf"):
+        check_gguf_file(Path(model))
+        return Path(model), spec_from_gguf(Path(model)).vocab_size
+    from .core.dtypes import get_dtype
+    from .core.specs import resolve_spec
+
+    spec = resolve_spec(model)
+    return build_model(spec, get_dtype(dtype, key="--dtype"), directory=cache_dir).path, \
+        spec.vocab_size
 
 
 @cli.command()

@@ -1,0 +1,93 @@
+"""Serving metrics, with the definitions the serving benchmarks use (vLLM's benchmark_serving,
+GuideLLM, NVIDIA AIPerf; docs/serving.md cites them): each from one request's record of when
+its chunks arrived and how many tokens the server says it produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """When one request was sent and its content chunks arrived (seconds, one clock), with the
+    tokens each chunk carried (None where the server did not say) and its token counts."""
+
+    sent_s: float
+    chunk_s: tuple[float, ...]
+    chunk_tokens: tuple[int | None, ...]
+    end_s: float
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: sending to the first chunk with content."""
+        return self.chunk_s[0] - self.sent_s if self.chunk_s else None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last chunk − first chunk) ÷ (output tokens −
+        1), vLLM's (latency − TTFT) ÷ (output tokens − 1) with latency to the last chunk."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.chunk_s[-1] - self.chunk_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def chunk_gaps_s(self) -> list[float]:
+        """Gaps between consecutive content chunks, as they arrived."""
+        return np.diff(self.chunk_s).tolist()
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latency: each chunk gap divided by the tokens its later chunk carried
+        (one where the server did not say)."""
+        pairs = zip(self.chunk_gaps_s, self.chunk_tokens[1:], strict=True)
+        return [gap / k for gap, n in pairs for k in [max(n or 1, 1)] for _ in range(k)]
+
+
+def distribution(values: list[float]) -> dict | None:
+    """n, mean and the percentiles (numpy's linear interpolation, as vLLM reports them)."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=float)
+    out = {"n": int(arr.size), "mean": float(arr.mean())}
+    out |= {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
+    return out
+
+
+def meets_slo(t: RequestTiming, slo: dict[str, float]) -> bool:
+    """Every SLO the scenario names holds for this request (DistServe's goodput criterion)."""
+    got = {"ttft_ms": t.ttft_s, "tpot_ms": t.tpot_s, "e2e_ms": t.e2e_s}
+    return all(got[k] is not None and got[k] * 1000 <= limit for k, limit in slo.items())
+
+
+def level_summary(timings: list[RequestTiming], n_failed: int, wall_s: float,
+                  slo: dict[str, float] | None = None) -> dict:
+    """One load level: latency distributions, throughput over its wall time, and goodput."""
+    done = [t for t in timings if t.ttft_s is not None]
+    out_tokens = sum(t.output_tokens for t in done)
+    summary = {
+        "n_ok": len(done), "n_failed": n_failed, "wall_s": wall_s,
+        "ttft_s": distribution([t.ttft_s for t in done]),
+        "tpot_s": distribution([t.tpot_s for t in done if t.tpot_s is not None]),
+        "itl_s": distribution([x for t in done for x in t.itl_s]),
+        "chunk_gap_s": distribution([x for t in done for x in t.chunk_gaps_s]),
+        "e2e_s": distribution([t.e2e_s for t in done]),
+        "request_s": len(done) / wall_s if wall_s > 0 else None,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else None,
+        "input_tok_s": sum(t.prompt_tokens for t in done) / wall_s if wall_s > 0 else None,
+    }
+    if slo:
+        good = sum(meets_slo(t, slo) for t in done)
+        summary |= {"slo": dict(slo), "n_good": good,
+                    "goodput_request_s": good / wall_s if wall_s > 0 else None}
+    return summary

@@ -1,0 +1,112 @@
+"""Load as the serving benchmarks define it: closed loop (N requests in flight, a new one sent
+as each ends) and open loop (Poisson arrivals at a rate, whatever the server's state), each
+bounded by a request count and a duration, after warm-up requests that are not kept."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from .http import completion_body, prometheus_counters, stream_completion
+
+FIRST_TOKEN = 3  # after the synthetic vocabulary's <unk>, <s>, </s>
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level: `concurrency` in flight (closed loop) or `rate` requests/s (open)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.concurrency} in flight" if self.concurrency else f"{self.rate:g} req/s"
+
+    @property
+    def key(self) -> str:
+        return f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every request asks for, and the bounds of a level."""
+
+    n_prompt: int
+    n_generate: int
+    n_vocab: int
+    n_requests: int
+    duration_s: float
+    warmup: int = 1
+    cache_prompt: bool = False  # unique prompts either way: the cache cannot hide prefill
+    timeout_s: float = REQUEST_TIMEOUT_S
+    seed: int = 0
+
+
+def prompts(w: Workload, level: Level, n: int) -> Callable[[int], list[int]]:
+    """Request i's prompt: random token ids, unique per request, level and run seed."""
+    def make(i: int) -> list[int]:
+        rng = np.random.default_rng([w.seed, zlib.crc32(level.key.encode()), i])
+        return rng.integers(FIRST_TOKEN, w.n_vocab, w.n_prompt).tolist()
+    return make
+
+
+async def run_level(base_url: str, level: Level, w: Workload) -> dict:
+    """Warm up, then load the server at this level; the requests' records and the server's
+    counters before and after (None where it has no /metrics)."""
+    make = prompts(w, level, w.warmup + w.n_requests)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(w.timeout_s), limits=limits) as client:
+        async def send(i: int) -> dict:
+            body = completion_body(make(i), w.n_generate, w.cache_prompt)
+            return await stream_completion(client, base_url, body, w.timeout_s) | {"index": i}
+
+        for i in range(w.warmup):
+            await send(w.n_requests + i)  # prompts of their own, records not kept
+        before = await asyncio.to_thread(prometheus_counters, base_url)
+        started = time.perf_counter()
+        records = await (_closed(send, level.concurrency, w) if level.concurrency
+                         else _open(send, level.rate, w))
+        wall_s = time.perf_counter() - started
+        after = await asyncio.to_thread(prometheus_counters, base_url)
+    return {"records": records, "wall_s": wall_s, "started_s": started,
+            "metrics_before": before, "metrics_after": after}
+
+
+async def _closed(send, concurrency: int, w: Workload) -> list[dict]:
+    """`concurrency` workers, each sending its next request when the last one ended, until
+    n_requests were sent or duration_s passed."""
+    deadline = time.perf_counter() + w.duration_s
+    counter = iter(range(w.n_requests))
+    records: list[dict] = []
+
+    async def worker() -> None:
+        for i in counter:
+            if time.perf_counter() >= deadline:
+                return
+            records.append(await send(i))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(records, key=lambda r: r["index"])
+
+
+async def _open(send, rate: float, w: Workload) -> list[dict]:
+    """Requests sent at Poisson arrival times (exponential gaps of mean 1/rate), whatever is
+    in flight, until n_requests were sent or duration_s passed."""
+    gaps = np.random.default_rng([w.seed, 7]).exponential(1.0 / rate, w.n_requests)
+    start = time.perf_counter()
+    tasks, at = [], 0.0
+    for i, gap in enumerate(gaps):
+        at += float(gap)
+        if at >= w.duration_s:
+            break
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        tasks.append(asyncio.create_task(send(i)))
+    return list(await asyncio.gather(*tasks))

@@ -1,0 +1,134 @@
+"""A server the harness starts and stops: llama.cpp's server from the xllamacpp wheel, or a
+llama-server binary the user names, bound to 127.0.0.1 on a free port, health-checked before
+any load, and stopped with its whole process group on success, failure and Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.errors import HarnessError, MeasurementError
+from .http import healthy
+
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to start: "xllamacpp" (the wheel) or a path to a llama-server binary."""
+
+    server: str
+    model: Path
+    slots: int = 1
+    ctx: int = 4096  # all slots together, as llama-server's -c
+    threads: int = 0
+    ubatch: int = 512
+
+    def command(self, port: int) -> list[str]:
+        if self.server == "xllamacpp":
+            return [sys.executable, "-m", "harness.engine.xserver", str(self.model),
+                    "--port", str(port), "--slots", str(self.slots), "--ctx", str(self.ctx),
+                    "--threads", str(self.threads), "--ubatch", str(self.ubatch)]
+        binary = shutil.which(self.server) or self.server
+        cmd = [binary, "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
+               "-np", str(self.slots), "-c", str(self.ctx), "-ub", str(self.ubatch),
+               "--metrics", "--no-warmup"]
+        return cmd + (["-t", str(self.threads)] if self.threads else [])
+
+
+@dataclass
+class RunningServer:
+    """A started server: its URL, process and log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    spec: ServerSpec
+    started_s: float = field(default_factory=time.perf_counter)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, n_chars: int = 400) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:].strip()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL if it outlives STOP_TIMEOUT_S."""
+        if self.alive():
+            _signal_group(self.process, signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.process, signal.SIGKILL)
+                self.process.wait(STOP_TIMEOUT_S)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+def start_server(spec: ServerSpec, start_timeout_s: float = START_TIMEOUT_S) -> RunningServer:
+    """Start the server in a new session (its own process group) and wait until /health
+    answers; a server that exits or stays silent is stopped and named in one line."""
+    if spec.server == "xllamacpp" and importlib.util.find_spec("xllamacpp") is None:
+        raise HarnessError("the xllamacpp wheel is not installed", key="server",
+                           fix="pip install -e '.[serve]', or give a llama-server binary")
+    if spec.server != "xllamacpp" and shutil.which(spec.server) is None:
+        raise HarnessError(f"no server binary at {spec.server}", key="server",
+                           fix="give the path of a llama-server binary, or server: xllamacpp")
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="harness-server-", suffix=".log")[1])
+    with log.open("wb") as out:
+        process = subprocess.Popen(spec.command(port), stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    running = RunningServer(f"http://127.0.0.1:{port}", process, log, spec)
+    try:
+        _wait_healthy(running, start_timeout_s)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def _wait_healthy(running: RunningServer, timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if not running.alive():
+            status = running.process.returncode
+            raise MeasurementError(f"the server exited (status {status}) before answering: "
+                                   f"{running.log_tail()}", key="server",
+                                   fix=f"check the model file {running.spec.model} and the "
+                                       f"log {running.log_path}")
+        if healthy(running.url):
+            return
+        time.sleep(0.2)
+    raise MeasurementError(f"the server did not answer /health within {timeout_s:g} s",
+                       key="server", fix=f"see its log {running.log_path}")

@@ -1,0 +1,148 @@
+"""A serving run: start (or reach) a server, load it level by level, keep every request's
+record and each level's summary in results.jsonl, and render the serving page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import __version__
+from .core.errors import MeasurementError
+from .core.serving import RequestTiming, level_summary
+from .engine.build import write_text_atomically
+from .engine.load import Level, Workload, run_level
+from .engine.measure import now_iso
+from .engine.server import RunningServer, ServerSpec, start_server
+from .report.serving import render_serving_page
+
+# Counters llama-server's /metrics keeps (deltas over a level mean something); the rest are
+# gauges of the last request, kept as read.
+COUNTERS = ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+            "tokens_predicted_seconds_total", "n_decode_total", "prompt_tokens_cached_total")
+
+
+@dataclass(frozen=True)
+class ServingRun:
+    """Everything a serving run does: where the server is, the load levels and the workload."""
+
+    levels: tuple[Level, ...]
+    workload: Workload
+    server: ServerSpec | None = None  # None: endpoint names a server already running
+    endpoint: str | None = None
+    slo: dict | None = None
+    model_label: str = ""
+
+
+def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
+    """Each llama-server counter's growth over a level, and the sequences per decode call."""
+    if not before or not after:
+        return None
+    out = {name: after[f"llamacpp:{name}"] - before[f"llamacpp:{name}"] for name in COUNTERS
+           if f"llamacpp:{name}" in after and f"llamacpp:{name}" in before}
+    if out.get("n_decode_total"):
+        out["tokens_per_decode_call"] = out["tokens_predicted_total"] / out["n_decode_total"]
+    return out
+
+
+def timings_of(records: list[dict]) -> list[RequestTiming]:
+    """The requests that finished, with the server's token counts (usage, else timings)."""
+    out = []
+    for r in records:
+        if r["error"] or not r["chunk_s"]:
+            continue
+        usage, timings = r.get("usage") or {}, r.get("timings") or {}
+        n_out = usage.get("completion_tokens", timings.get("predicted_n"))
+        n_in = usage.get("prompt_tokens", timings.get("prompt_n"))
+        if n_out is None or n_in is None:
+            continue
+        out.append(RequestTiming(r["sent_s"], tuple(r["chunk_s"]), tuple(r["chunk_tokens"]),
+                                 r["end_s"], int(n_out), int(n_in)))
+    return out
+
+
+def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
+                say: Callable[[str], None] = print) -> Path:
+    """Run every level, writing records as they come; return the report's path. A server that
+    dies or a level that fails ends the run with what was measured kept and rendered."""
+    server = start_server(run.server) if run.server else None  # nothing written before
+    levels: list[dict] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        url = server.url if server else run.endpoint.rstrip("/")
+        with (out_dir / "results.jsonl").open("w") as f:
+            _write(f, _header(run, argv, url, server))
+            try:
+                for level in run.levels:
+                    levels.append(_run_one(run, level, url, server, f, say))
+            finally:
+                _write_page(out_dir, levels)
+    finally:
+        if server:
+            server.stop()
+    return out_dir / "report.md"
+
+
+def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None, f,
+             say) -> dict:
+    raw = asyncio.run(run_level(url, level, run.workload))
+    for r in raw["records"]:
+        _write(f, {"type": "request", "level": level.key} | r)
+    timings = timings_of(raw["records"])
+    failed = len(raw["records"]) - len(timings)
+    record = {"type": "level", "level": level.key, "label": level.label,
+              "concurrency": level.concurrency, "rate": level.rate,
+              "summary": level_summary(timings, failed, raw["wall_s"], run.slo),
+              "server_prompt_ms": _server_ms(raw["records"], "prompt_ms"),
+              "counters": counter_deltas(raw["metrics_before"], raw["metrics_after"]),
+              "errors": sorted({r["error"] for r in raw["records"] if r["error"]})[:5]}
+    _write(f, record)
+    say(f"{level.label}: {len(timings)} requests, {failed} failed "
+        f"[{raw['wall_s']:.1f} s]")
+    if server and not server.alive():
+        raise MeasurementError(f"the server exited during the level {level.label}: "
+                               f"{server.log_tail()}", key="server",
+                               fix=f"what was measured is kept; see {server.log_path}")
+    if not timings:
+        raise MeasurementError(f"no request finished at {level.label}: "
+                               f"{'; '.join(record['errors'])}", key="server",
+                               fix="check the server and the endpoint")
+    return record
+
+
+def _server_ms(records: list[dict], key: str) -> list[float]:
+    return [float(r["timings"][key]) for r in records
+            if not r["error"] and r.get("timings") and key in r["timings"]]
+
+
+def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | None) -> dict:
+    return {"type": "header", "schema_version": 1, "harness": __version__,
+            "created": now_iso(), "argv": argv, "python": sys.version.split()[0],
+            "model": run.model_label, "url": url,
+            "server": asdict(run.server) | {"model": str(run.server.model),
+                                            "command": server.process.args,
+                                            "server_version": _server_version(run.server)}
+            if run.server else {"endpoint": run.endpoint},
+            "workload": asdict(run.workload), "slo": run.slo,
+            "levels": [asdict(level) for level in run.levels]}
+
+
+def _server_version(spec: ServerSpec) -> str | None:
+    if spec.server != "xllamacpp":
+        return None
+    from importlib.metadata import version
+
+    return f"xllamacpp {version('xllamacpp')}"
+
+
+def _write(f, record: dict) -> None:
+    f.write(json.dumps(record, default=str) + "\n")
+    f.flush()
+
+
+def _write_page(out_dir: Path, levels: list[dict]) -> None:
+    header = json.loads((out_dir / "results.jsonl").open().readline() or "{}")
+    write_text_atomically(out_dir / "report.md", render_serving_page(header, levels))

@@ -1,0 +1,240 @@
+"""Serving: the metrics on known timings, SSE framing of llama-server's stream, and a real
+llama.cpp server (xllamacpp) on loopback under closed- and open-loop load, with its faults."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from harness.core.serving import RequestTiming, distribution, level_summary, meets_slo
+from harness.engine.http import sse_payloads, stream_completion
+from harness.engine.load import Level, Workload, run_level
+
+pytest.importorskip("xllamacpp")
+
+# Two events of llama-server's /v1/completions stream as it sends them: a chunk that carries
+# three tokens at once (its running predicted_n), then the last chunk, an empty choice beside
+# usage and timings.
+LLAMA_SERVER_STREAM = "".join(f"data: {json.dumps(e) if isinstance(e, dict) else e}\n\n" for e in [
+    {"choices": [{"text": "\ufffdDtok439", "index": 0, "finish_reason": None}],
+     "object": "text_completion",
+     "timings": {"prompt_n": 4, "prompt_ms": 0.694, "predicted_n": 3, "predicted_ms": 0.354}},
+    {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+     "object": "text_completion",
+     "usage": {"completion_tokens": 3, "prompt_tokens": 4, "total_tokens": 7},
+     "timings": {"cache_n": 0, "prompt_n": 4, "prompt_ms": 0.694, "predicted_n": 3,
+                 "predicted_ms": 0.354}},
+    "[DONE]"])
+
+
+def test_metrics_follow_the_definitions_on_known_timings():
+    # sent at 0, chunks at 0.1 (1 token), 0.3 (2 tokens), 0.4 (1 token): 4 tokens
+    t = RequestTiming(0.0, (0.1, 0.3, 0.4), (1, 2, 1), 0.45, 4, 10)
+    assert t.ttft_s == pytest.approx(0.1)
+    assert t.tpot_s == pytest.approx((0.4 - 0.1) / 3)
+    assert t.chunk_gaps_s == pytest.approx([0.2, 0.1])
+    assert t.itl_s == pytest.approx([0.1, 0.1, 0.1])  # the 2-token gap split over its tokens
+    assert t.e2e_s == pytest.approx(0.45)
+    assert RequestTiming(0.0, (0.1,), (1,), 0.1, 1, 10).tpot_s is None
+    d = distribution([1.0, 2.0, 3.0, 4.0])
+    assert d["p50"] == 2.5 and d["mean"] == 2.5 and d["p90"] == pytest.approx(3.7)
+    assert meets_slo(t, {"ttft_ms": 101, "tpot_ms": 101}) and not meets_slo(t, {"ttft_ms": 99})
+
+
+def test_level_summary_counts_throughput_and_goodput_over_the_wall_time():
+    fast = RequestTiming(0.0, (0.05, 0.1), (1, 1), 0.1, 2, 8)
+    slow = RequestTiming(0.0, (0.5, 0.6), (1, 1), 0.6, 2, 8)
+    s = level_summary([fast, slow], n_failed=1, wall_s=2.0, slo={"ttft_ms": 100})
+    assert s["n_ok"] == 2 and s["n_failed"] == 1
+    assert s["output_tok_s"] == 2.0 and s["request_s"] == 1.0 and s["input_tok_s"] == 8.0
+    assert s["n_good"] == 1 and s["goodput_request_s"] == 0.5
+    assert s["ttft_s"]["p50"] == pytest.approx(0.275)
+
+
+def test_sse_framing_of_llama_servers_stream():
+    payloads = sse_payloads(LLAMA_SERVER_STREAM.splitlines())
+    assert payloads[-1] == "[DONE]" and len(payloads) == 3
+    last = json.loads(payloads[1])
+    assert last["choices"][0]["text"] == "" and last["usage"]["completion_tokens"] == 3
+    assert sse_payloads(["data: a", "data: b", ""]) == ["a\nb"]  # multi-line data
+    assert sse_payloads(["data: x"]) == ["x"]  # a stream ending without its blank line
+
+
+class _Handler(BaseHTTPRequestHandler):
+    mode = "stream"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.mode == "stall":
+            threading.Event().wait(5)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        body = LLAMA_SERVER_STREAM if self.mode == "stream" else "data: {not json\n\n"
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(mode: str) -> str:
+        handler = type("H", (_Handler,), {"mode": mode})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    yield start
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _one(url: str, timeout_s: float = 5.0) -> dict:
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient() as client:
+            return await stream_completion(client, url, {"prompt": [5]}, timeout_s)
+    return asyncio.run(go())
+
+
+def test_the_client_times_chunks_and_keeps_the_servers_counts(fake_server):
+    record = _one(fake_server("stream"))
+    assert record["error"] is None
+    assert record["chunk_tokens"] == [3]  # one content chunk with three tokens
+    assert record["usage"]["completion_tokens"] == 3 and record["timings"]["prompt_ms"] == 0.694
+    assert record["sent_s"] <= record["chunk_s"][0] <= record["end_s"]
+
+
+def test_malformed_events_and_stalls_end_as_errors_not_hangs(fake_server):
+    assert "JSONDecodeError" in _one(fake_server("junk"))["error"]
+    stalled = _one(fake_server("stall"), timeout_s=0.5)
+    assert stalled["error"] == "no answer within 0.5 s"
+    with socket.socket() as s:  # nothing listens here
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert "ConnectError" in _one(f"http://127.0.0.1:{port}")["error"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    from harness.core.dtypes import DTYPES
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
+    from harness.engine.server import ServerSpec, start_server
+
+    path = build(resolve_spec("tiny-llama"), DTYPES["f16"]).path
+    with start_server(ServerSpec("xllamacpp", path, slots=2, ctx=512, threads=1),
+                      start_timeout_s=60) as server:
+        yield server
+
+
+def test_a_real_server_under_closed_and_open_loop_load(served):
+    w = Workload(n_prompt=16, n_generate=8, n_vocab=512, n_requests=4, duration_s=30)
+    for level in (Level(concurrency=1), Level(concurrency=2), Level(rate=50.0)):
+        out = asyncio.run(run_level(served.url, level, w))
+        assert [r["error"] for r in out["records"]] == [None] * len(out["records"])
+        assert 1 <= len(out["records"]) <= 4
+        for r in out["records"]:
+            assert r["usage"]["completion_tokens"] == 8 and r["usage"]["prompt_tokens"] == 16
+            assert sum(r["chunk_tokens"]) == 8
+            assert r["timings"]["cache_n"] == 0  # unique prompts: nothing reused
+        grown = out["metrics_after"]["llamacpp:tokens_predicted_total"] - out[
+            "metrics_before"]["llamacpp:tokens_predicted_total"]
+        assert grown == 8 * len(out["records"])  # warm-up excluded
+    assert served.alive()
+
+
+def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path):
+    before = _xserver_pids()
+    result = run_cli("serve", "tiny-llama", "--concurrency", "1,2", "--rate", "40",
+                     "--requests", "3", "--prompt", "8", "--generate", "4", "--slots", "2",
+                     "--threads", "1", "--slo-ttft-ms", "1000", "--out", str(tmp_path / "s"))
+    assert result.exit_code == 0, result.stderr
+    lines = [json.loads(x) for x in (tmp_path / "s" / "results.jsonl").read_text().splitlines()]
+    assert lines[0]["type"] == "header" and lines[0]["server"]["slots"] == 2
+    levels = [x for x in lines if x["type"] == "level"]
+    assert [x["level"] for x in levels] == ["c1", "c2", "r40"]
+    assert all(x["summary"]["n_ok"] >= 1 for x in levels)
+    assert sum(x["type"] == "request" for x in lines) == sum(x["summary"]["n_ok"] for x in levels)
+    page = (tmp_path / "s" / "report.md").read_text()
+    assert "## Findings" in page and "| 2 in flight |" in page and "goodput" in page
+    assert _xserver_pids() <= before  # its own server stopped
+
+
+def _xserver_pids() -> set[int]:
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"harness.engine.xserver" in f.read():
+                    pids.add(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_server_that_dies_mid_run_ends_in_one_line_with_the_levels_kept(tmp_path):
+    from harness.core.dtypes import DTYPES
+    from harness.core.errors import MeasurementError
+    from harness.core.specs import resolve_spec
+    from harness.engine.build import build
+    from harness.engine.server import ServerSpec
+    from harness.serving import ServingRun, run_serving
+
+    path = build(resolve_spec("tiny-llama"), DTYPES["f16"]).path
+    run = ServingRun((Level(concurrency=1), Level(concurrency=2)),
+                     Workload(8, 4, 512, 2, 30), ServerSpec("xllamacpp", path, 2, 256, 1))
+
+    others = _xserver_pids()
+
+    def kill_after_first_level(line: str) -> None:
+        for pid in _xserver_pids() - others:
+            os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(MeasurementError, match="no request finished at 2 in flight|exited"):
+        run_serving(run, tmp_path / "d", [], say=kill_after_first_level)
+    lines = (tmp_path / "d" / "results.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["type"] == "header"
+    assert any(json.loads(x).get("level") == "c1" and json.loads(x)["type"] == "level"
+               for x in lines)
+    assert "| 1 in flight |" in (tmp_path / "d" / "report.md").read_text()
+
+
+def test_bad_servers_and_urls_are_refused_in_one_line(run_cli, tmp_path):
+    missing = run_cli("serve", "tiny-llama", "--server", str(tmp_path / "llama-server"))
+    assert missing.exit_code == 2 and "no server binary" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    url = run_cli("serve", "tiny-llama", "--endpoint", "localhost:8080")
+    assert url.exit_code == 2 and "not an http(s) URL" in url.stderr
+    levels = run_cli("serve", "tiny-llama", "--concurrency", "1,x")
+    assert levels.exit_code == 2 and "--concurrency" in levels.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    rejected = run_cli("serve", str(bad))
+    assert rejected.exit_code == 2 and "Traceback" not in rejected.stderr
+    assert not list(tmp_path.glob("**/results.jsonl"))
+
+
+def test_a_server_that_rejects_its_model_is_named_with_its_log(tmp_path):
+    from harness.core.errors import MeasurementError
+    from harness.engine.server import ServerSpec, start_server
+
+    not_a_model = tmp_path / "empty.gguf"
+    not_a_model.write_bytes(b"")
+    before = _xserver_pids()
+    with pytest.raises(MeasurementError, match=r"the server exited \(status"):
+        start_server(ServerSpec("xllamacpp", not_a_model), start_timeout_s=30)
+    assert _xserver_pids() <= before
