@@ -92,16 +92,18 @@ def _levels(concurrency: str | None, rate: str | None):
 @click.option("--generate", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0, 100))
 @click.option("--threads", default=0, type=click.IntRange(0, 1024),
-              help="Server threads (0: llama.cpp's default).")
+              help="Threads of the server and of the in-process yardstick (0: physical cores).")
 @click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True))
 @click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True))
 @click.option("--prefix-cache", is_flag=True, help="Let the server reuse cached prompt prefixes.")
+@click.option("--inprocess/--no-inprocess", default=True, show_default=True,
+              help="Time the same file's batched decode in-process beside each closed level.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
 def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
           concurrency: str, rate: str | None, n_requests: int, duration_s: float, prompt: int,
           generate: int, warmup: int, threads: int, slo_ttft_ms: float | None,
-          slo_tpot_ms: float | None, prefix_cache: bool, out: Path | None,
+          slo_tpot_ms: float | None, prefix_cache: bool, inprocess: bool, out: Path | None,
           cache_dir: Path | None) -> None:
     """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
     TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
@@ -114,11 +116,15 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
         raise HarnessError(f"not an http(s) URL: {endpoint}", key="--endpoint",
                            fix="e.g. --endpoint http://127.0.0.1:8080")
     slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms)) if v}
+    from .engine.env import physical_cores
+
     spec = None if endpoint else ServerSpec(
-        server, path, slots, ctx=slots * (prompt + generate + 16), threads=threads)
+        server, path, slots, ctx=slots * (prompt + generate + 16),
+        threads=threads or physical_cores())
     run = ServingRun(_levels(concurrency, rate), Workload(
         prompt, generate, n_vocab, n_requests, duration_s, warmup, prefix_cache),
-        spec, endpoint, slo or None, Path(model).stem if model.endswith(".gguf") else model)
+        spec, endpoint, slo or None, Path(model).stem if model.endswith(".gguf") else model,
+        inprocess)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report = run_serving(run, out or Path("reports/runs") / f"serve-{stamp}", sys.argv,
                          say=lambda line: click.echo(line, err=True))

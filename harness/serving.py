@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import __version__
 from .core.errors import MeasurementError
-from .core.serving import RequestTiming, level_summary
+from .core.serving import RequestTiming, level_summary, steady_decode
 from .engine.build import write_text_atomically
 from .engine.load import Level, Workload, run_level
 from .engine.measure import now_iso
@@ -35,6 +35,7 @@ class ServingRun:
     endpoint: str | None = None
     slo: dict | None = None
     model_label: str = ""
+    compare_inprocess: bool = True  # closed levels of a started server: the same file in-process
 
 
 def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
@@ -59,8 +60,10 @@ def timings_of(records: list[dict]) -> list[RequestTiming]:
         n_in = usage.get("prompt_tokens", timings.get("prompt_n"))
         if n_out is None or n_in is None:
             continue
+        prompt_ms = timings.get("prompt_ms")
         out.append(RequestTiming(r["sent_s"], tuple(r["chunk_s"]), tuple(r["chunk_tokens"]),
-                                 r["end_s"], int(n_out), int(n_in)))
+                                 r["end_s"], int(n_out), int(n_in),
+                                 None if prompt_ms is None else float(prompt_ms) / 1000))
     return out
 
 
@@ -69,6 +72,7 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     """Run every level, writing records as they come; return the report's path. A server that
     dies or a level that fails ends the run with what was measured kept and rendered."""
     server = start_server(run.server) if run.server else None  # nothing written before
+    yard = _yardstick(run) if server else None
     levels: list[dict] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,18 +81,35 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
             _write(f, _header(run, argv, url, server))
             try:
                 for level in run.levels:
-                    levels.append(_run_one(run, level, url, server, f, say))
+                    levels.append(_run_one(run, level, url, server, f, say, yard))
             finally:
                 _write_page(out_dir, levels)
     finally:
+        if yard:
+            yard.close()
         if server:
             server.stop()
     return out_dir / "report.md"
 
 
+def _yardstick(run: ServingRun):
+    """The served file loaded in this process, for the closed levels' comparison."""
+    if not run.compare_inprocess or not any(lv.concurrency for lv in run.levels):
+        return None
+    from .engine.inprocess import BatchedDecode
+
+    w, spec = run.workload, run.server
+    return BatchedDecode(spec.model, w.n_prompt, w.n_generate, spec.ctx // spec.slots,
+                         spec.threads, spec.ubatch, seed=w.seed)
+
+
 def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None, f,
-             say) -> dict:
+             say, yard=None) -> dict:
+    compare = yard is not None and level.concurrency and level.concurrency <= run.server.slots
+    inprocess = [yard.aggregate_tok_s(level.concurrency)] if compare else []
     raw = asyncio.run(run_level(url, level, run.workload))
+    if compare:
+        inprocess.append(yard.aggregate_tok_s(level.concurrency))
     for r in raw["records"]:
         _write(f, {"type": "request", "level": level.key} | r)
     timings = timings_of(raw["records"])
@@ -97,6 +118,9 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
               "concurrency": level.concurrency, "rate": level.rate,
               "summary": level_summary(timings, failed, raw["wall_s"], run.slo),
               "server_prompt_ms": _server_ms(raw["records"], "prompt_ms"),
+              "steady_decode": steady_decode(timings, level.concurrency)
+              if level.concurrency else None,
+              "inprocess_decode_tok_s": inprocess or None,
               "counters": counter_deltas(raw["metrics_before"], raw["metrics_after"]),
               "errors": sorted({r["error"] for r in raw["records"] if r["error"]})[:5]}
     _write(f, record)

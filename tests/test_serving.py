@@ -11,7 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from harness.core.serving import RequestTiming, distribution, level_summary, meets_slo
+from harness.core.serving import (
+    RequestTiming,
+    distribution,
+    level_summary,
+    meets_slo,
+    steady_decode,
+)
 from harness.engine.http import sse_payloads, stream_completion
 from harness.engine.load import Level, Workload, run_level
 
@@ -54,6 +60,19 @@ def test_level_summary_counts_throughput_and_goodput_over_the_wall_time():
     assert s["output_tok_s"] == 2.0 and s["request_s"] == 1.0 and s["input_tok_s"] == 8.0
     assert s["n_good"] == 1 and s["goodput_request_s"] == 0.5
     assert s["ttft_s"]["p50"] == pytest.approx(0.275)
+
+
+def test_steady_decode_counts_only_the_spans_where_every_request_decodes():
+    a = RequestTiming(0.0, (0.0, 1.0, 2.0, 3.0), (1, 1, 1, 1), 3.0, 4, 8)
+    b = RequestTiming(1.0, (1.5, 2.5, 3.5), (1, 1, 1), 3.5, 3, 8)
+    both = steady_decode([a, b], concurrency=2)  # both decode over (1.5, 3]: 2.0, 3.0, 2.5
+    assert both == {"tok_s": pytest.approx(3 / 1.5), "window_s": pytest.approx(1.5),
+                    "n_tokens": 3}
+    one = steady_decode([a, b], concurrency=1)  # (0, 3.5]: every token after a first
+    assert one["n_tokens"] == 5 and one["window_s"] == pytest.approx(3.5)
+    assert steady_decode([a], concurrency=2) is None and steady_decode([], 1) is None
+    split = level_summary([RequestTiming(0.0, (0.3, 0.4), (1, 1), 0.4, 2, 8, 0.25)], 0, 1.0)
+    assert split["ttft_outside_prompt_s"]["p50"] == pytest.approx(0.05)
 
 
 def test_sse_framing_of_llama_servers_stream():
@@ -171,6 +190,9 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     assert sum(x["type"] == "request" for x in lines) == sum(x["summary"]["n_ok"] for x in levels)
     page = (tmp_path / "s" / "report.md").read_text()
     assert "## Findings" in page and "| 2 in flight |" in page and "goodput" in page
+    closed = [x for x in levels if x["concurrency"]]
+    assert all(len(x["inprocess_decode_tok_s"]) == 2 for x in closed)  # before and after
+    assert "Why: served decode against in-process decode" in page
     assert _xserver_pids() <= before  # its own server stopped
 
 

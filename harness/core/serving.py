@@ -23,6 +23,7 @@ class RequestTiming:
     end_s: float
     output_tokens: int
     prompt_tokens: int
+    server_prompt_s: float | None = None  # the server's own prompt time (llama-server timings)
 
     @property
     def ttft_s(self) -> float | None:
@@ -82,6 +83,10 @@ def level_summary(timings: list[RequestTiming], n_failed: int, wall_s: float,
         "itl_s": distribution([x for t in done for x in t.itl_s]),
         "chunk_gap_s": distribution([x for t in done for x in t.chunk_gaps_s]),
         "e2e_s": distribution([t.e2e_s for t in done]),
+        "server_prompt_s": distribution([t.server_prompt_s for t in done
+                                         if t.server_prompt_s is not None]),
+        "ttft_outside_prompt_s": distribution([t.ttft_s - t.server_prompt_s for t in done
+                                               if t.server_prompt_s is not None]),
         "request_s": len(done) / wall_s if wall_s > 0 else None,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else None,
         "input_tok_s": sum(t.prompt_tokens for t in done) / wall_s if wall_s > 0 else None,
@@ -91,3 +96,26 @@ def level_summary(timings: list[RequestTiming], n_failed: int, wall_s: float,
         summary |= {"slo": dict(slo), "n_good": good,
                     "goodput_request_s": good / wall_s if wall_s > 0 else None}
     return summary
+
+
+def steady_decode(timings: list[RequestTiming], concurrency: int) -> dict | None:
+    """Aggregate decode over the steady window: the spans where `concurrency` requests were
+    all between their first and last token (ramp-up, a request's own prefill and the drain
+    left out); tokens after each request's first that arrived inside those spans ÷ their
+    length. None where the spans hold fewer than two such tokens."""
+    edges = sorted([(t.chunk_s[0], 1) for t in timings if len(t.chunk_s) > 1] +
+                   [(t.chunk_s[-1], -1) for t in timings if len(t.chunk_s) > 1])
+    if not edges:
+        return None
+    spans, active = [], 0
+    for (at, step), nxt in zip(edges, [*edges[1:], None], strict=True):
+        active += step
+        if active >= concurrency and nxt is not None and nxt[0] > at:
+            spans.append((at, nxt[0]))
+    arrivals = [(at, n or 1) for t in timings for at, n in
+                zip(t.chunk_s[1:], t.chunk_tokens[1:], strict=True)]
+    n_tokens = sum(n for at, n in arrivals if any(a < at <= b for a, b in spans))
+    window_s = sum(b - a for a, b in spans)
+    if n_tokens < 2 or window_s <= 0:
+        return None
+    return {"tok_s": n_tokens / window_s, "window_s": window_s, "n_tokens": n_tokens}
