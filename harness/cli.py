@@ -107,27 +107,30 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
           cache_dir: Path | None) -> None:
     """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
     TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
-    from .engine.load import Workload
-    from .engine.server import ServerSpec
-    from .serving import ServingRun, run_serving
+    from .servescenario import ServePlan
 
-    path, n_vocab = _served_model(model, dtype, cache_dir)
     if endpoint and not endpoint.startswith(("http://", "https://")):
         raise HarnessError(f"not an http(s) URL: {endpoint}", key="--endpoint",
                            fix="e.g. --endpoint http://127.0.0.1:8080")
     slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms)) if v}
-    from .engine.env import physical_cores
+    label = Path(model).stem if model.endswith(".gguf") else model
+    plan = ServePlan(None, f"serve-{label}", f"Serving {label}", "", model, dtype, 0,
+                     _levels(concurrency, rate), server, endpoint, slots, n_requests,
+                     duration_s, prompt, generate, warmup, threads, prefix_cache, inprocess,
+                     slo=slo)
+    _serve(plan, out or Path("reports/runs") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+           cache_dir, resume=False)
 
-    spec = None if endpoint else ServerSpec(
-        server, path, slots, ctx=slots * (prompt + generate + 16),
-        threads=threads or physical_cores())
-    run = ServingRun(_levels(concurrency, rate), Workload(
-        prompt, generate, n_vocab, n_requests, duration_s, warmup, prefix_cache),
-        spec, endpoint, slo or None, Path(model).stem if model.endswith(".gguf") else model,
-        inprocess)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    report = run_serving(run, out or Path("reports/runs") / f"serve-{stamp}", sys.argv,
-                         say=lambda line: click.echo(line, err=True))
+
+def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
+    """Run a serving plan into out and print the report's path."""
+    from .engine.env import physical_cores
+    from .serving import run_serving, serving_run
+
+    path, n_vocab = _served_model(plan.model, plan.dtype, cache_dir)
+    run = serving_run(plan, path, n_vocab, physical_cores())
+    report = run_serving(run, out, sys.argv, say=lambda line: click.echo(line, err=True),
+                         resume=resume)
     click.echo(str(report))
 
 
@@ -190,16 +193,25 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
 def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         cache_dir: Path | None, ray_address: str | None, nodes: tuple[str, ...],
         relabel: bool) -> None:
-    """Measure prefill and decode for every cell of SCENARIO (a YAML file)."""
+    """Measure prefill and decode for every cell of SCENARIO (a YAML file; one with a
+    `serve:` block is a serving run, see docs/serving.md)."""
     if relabel and not (ray_address and resume):
         raise HarnessError("--relabel renames resumed fleet nodes that are other machines",
                            key="--relabel", fix="use it with --ray ADDRESS --resume, or drop it")
+    from .servescenario import is_serving_scenario, load_serving_scenario
+
+    if is_serving_scenario(scenario) and (ray_address or nodes):
+        raise HarnessError("a serving scenario runs on this machine", key="--ray",
+                           fix="drop --ray/--nodes, or start harness serve on each machine")
     if ray_address:
         return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir,
                           relabel)
     if nodes:
         raise HarnessError("--nodes chooses nodes of a Ray cluster", key="--nodes",
                            fix="add --ray ADDRESS (or --ray local), or drop --nodes")
+    if is_serving_scenario(scenario):
+        plan = load_serving_scenario(scenario)
+        return _serve(plan, out or default_run_dir(plan.name, resume), cache_dir, resume)
     from .engine.env import collect_env, physical_cores
     from .engine.results import RunWriter
     from .engine.scenario import load_scenario
@@ -351,7 +363,16 @@ def check(scenario: Path, cache_dir: Path | None) -> None:
     from .engine.scenario import load_scenario
     from .report.tables import repetitions_label, test_label
     from .runner import plan_summary, preflight
+    from .servescenario import is_serving_scenario, load_serving_scenario
 
+    if is_serving_scenario(scenario):
+        serve = load_serving_scenario(scenario)
+        levels = ", ".join(level.label for level in serve.levels)
+        where = serve.endpoint or f"{serve.server}, {serve.slots} slots"
+        click.echo(f"{serve.title}: serving {serve.model} ({serve.dtype}) on {where}; levels "
+                   f"{levels}; at most {serve.n_requests} requests or {serve.duration_s:g} s "
+                   f"each. OK.", err=True)
+        return
     plan = load_scenario(scenario, physical_cores())
     preflight(plan, list(plan.measurements), cache_dir)
     for m in plan.measurements:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
@@ -36,6 +36,28 @@ class ServingRun:
     slo: dict | None = None
     model_label: str = ""
     compare_inprocess: bool = True  # closed levels of a started server: the same file in-process
+    scenario: dict = field(default_factory=dict)  # the scenario file's name, title and text
+
+
+def serving_run(plan, model_path: Path, n_vocab: int, physical_cores: int) -> ServingRun:
+    """The run a serving plan (harness.servescenario.ServePlan) asks for, on a model file."""
+    per_slot = plan.n_prompt + plan.n_generate + 16
+    server = None if plan.endpoint else ServerSpec(
+        plan.server, model_path, plan.slots, ctx=plan.slots * per_slot,
+        threads=plan.threads or physical_cores)
+    workload = Workload(plan.n_prompt, plan.n_generate, n_vocab, plan.n_requests,
+                        plan.duration_s, plan.warmup, plan.prefix_cache, plan.timeout_s,
+                        plan.seed)
+    label = Path(plan.model).stem if plan.model.endswith(".gguf") else plan.model
+    return ServingRun(plan.levels, workload, server, plan.endpoint, plan.slo or None, label,
+                      plan.inprocess, _scenario_fields(plan))
+
+
+def _scenario_fields(plan) -> dict:
+    if plan.path is None:
+        return {}
+    return {"path": str(plan.path), "name": plan.name, "title": plan.title,
+            "description": plan.description, "text": plan.path.read_text()}
 
 
 def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
@@ -68,28 +90,45 @@ def timings_of(records: list[dict]) -> list[RequestTiming]:
 
 
 def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
-                say: Callable[[str], None] = print) -> Path:
+                say: Callable[[str], None] = print, resume: bool = False) -> Path:
     """Run every level, writing records as they come; return the report's path. A server that
-    dies or a level that fails ends the run with what was measured kept and rendered."""
+    dies or a level that fails ends the run with what was measured kept and rendered; with
+    resume, the levels an earlier run of out_dir finished are kept and the others run whole."""
+    kept = finished_levels(out_dir / "results.jsonl") if resume else []
+    done = {lv["level"] for lv in kept if lv["type"] == "level"}
     server = start_server(run.server) if run.server else None  # nothing written before
-    yard = _yardstick(run) if server else None
-    levels: list[dict] = []
+    levels = [lv for lv in kept if lv["type"] == "level"]
     try:
+        yard = _yardstick(run) if server else None
         out_dir.mkdir(parents=True, exist_ok=True)
         url = server.url if server else run.endpoint.rstrip("/")
         with (out_dir / "results.jsonl").open("w") as f:
-            _write(f, _header(run, argv, url, server))
+            for record in kept or [_header(run, argv, url, server)]:
+                _write(f, record)
             try:
                 for level in run.levels:
+                    if level.key in done:
+                        say(f"{level.label}: kept from the earlier run")
+                        continue
                     levels.append(_run_one(run, level, url, server, f, say, yard))
             finally:
                 _write_page(out_dir, levels)
+                if yard:
+                    yard.close()
     finally:
-        if yard:
-            yard.close()
         if server:
             server.stop()
     return out_dir / "report.md"
+
+
+def finished_levels(results: Path) -> list[dict]:
+    """An earlier run's header and the records of every level it finished (a level's requests
+    come before its level record: those of a level cut short are dropped)."""
+    if not results.exists():
+        return []
+    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    finished = {r["level"] for r in records if r.get("type") == "level"}
+    return [r for r in records if r.get("type") == "header" or r.get("level") in finished]
 
 
 def _yardstick(run: ServingRun):
@@ -150,7 +189,7 @@ def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | 
                                             "command": server.process.args,
                                             "server_version": _server_version(run.server)}
             if run.server else {"endpoint": run.endpoint},
-            "workload": asdict(run.workload), "slo": run.slo,
+            "workload": asdict(run.workload), "slo": run.slo, "scenario": run.scenario,
             "levels": [asdict(level) for level in run.levels]}
 
 

@@ -260,3 +260,40 @@ def test_a_server_that_rejects_its_model_is_named_with_its_log(tmp_path):
     with pytest.raises(MeasurementError, match=r"the server exited \(status"):
         start_server(ServerSpec("xllamacpp", not_a_model), start_timeout_s=30)
     assert _xserver_pids() <= before
+
+
+@pytest.mark.parametrize("text, where", [
+    ("name: s\nmodel: tiny-llama\nserve:\n  slots: 2\n  concurency: [1]\n", ":5: serve.concurency"),
+    ("name: s\nmodel: tiny-llama\nserve:\n  endpoint: localhost:80\n", ":4: serve.endpoint"),
+    ("name: s\nmodel: tiny-llama\nserve:\n  slo: {ttft: 5}\n", ":4: serve.slo.ttft"),
+    ("name: s\nmodel: tiny-llama\nserve:\n  rate: [1, -2]\n", ":4: serve.rate[1]"),
+    ("name: s\nmodel: tiny-llama\nserve:\n  slots: 0\n", ":4: serve.slots"),
+])
+def test_serving_scenario_errors_name_file_line_and_key(run_cli, tmp_path, text, where):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    result = run_cli("run", str(path), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and f"{path}{where}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_serving_scenario_runs_and_resumes_keeping_finished_levels(run_cli, tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("name: s\ntitle: Tiny under load\nmodel: tiny-llama\ndtype: f16\nserve:\n"
+                    "  slots: 2\n  threads: 1\n  concurrency: [1, 2]\n  requests: 2\n"
+                    "  prompt: 8\n  generate: 4\n  inprocess: false\n")
+    out = tmp_path / "out"
+    assert run_cli("run", str(path), "--out", str(out)).exit_code == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["scenario"]["title"] == "Tiny under load"
+    assert (out / "report.md").read_text().startswith("# Tiny under load")
+    # cut the run short inside level c2: its requests stay, its level record is gone
+    cut = [x for x in lines if not (json.loads(x).get("type") == "level"
+                                     and json.loads(x)["level"] == "c2")]
+    (out / "results.jsonl").write_text("\n".join(cut) + "\n")
+    result = run_cli("run", str(path), "--out", str(out), "--resume")
+    assert result.exit_code == 0 and "1 in flight: kept from the earlier run" in result.stderr
+    records = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["level"] for r in records if r["type"] == "level"] == ["c1", "c2"]
+    assert sum(r["type"] == "request" and r["level"] == "c2" for r in records) == 2
+    assert sum(r["type"] == "header" for r in records) == 1

@@ -134,12 +134,16 @@ def render_serving_page(header: dict, levels: list[dict]) -> str:
     w, server = header.get("workload", {}), header.get("server", {})
     where = (f"{server.get('server_version') or server.get('server')}, {server.get('slots')} "
              f"slot(s)" if "slots" in server else f"endpoint {server.get('endpoint')}")
-    lines = [f"# Serving {header.get('model', '')}", "",
+    scenario = header.get("scenario") or {}
+    lines = [f"# {scenario.get('title') or 'Serving ' + header.get('model', '')}", ""]
+    if scenario.get("description"):
+        lines += [scenario["description"], ""]
+    lines += [
              f"Measured {header.get('created', '')[:10]} against {where}; every request "
              f"{w.get('n_prompt')} prompt tokens (unique random ids) and {w.get('n_generate')} "
              f"generated (EOS ignored), after {w.get('warmup')} warm-up request(s) per level; "
-             f"at most {w.get('n_requests')} requests or {w.get('duration_s'):g} s per level.",
-             "", "## Findings", ""]
+             f"at most {w.get('n_requests')} requests or {w.get('duration_s'):g} s per level; "
+             f"model {header.get('model', '')}.", "", "## Findings", ""]
     lines += [f"- {f}" for f in findings(levels)]
     lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
     if any(lv.get("steady_decode") for lv in levels):
