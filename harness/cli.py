@@ -489,6 +489,14 @@ def _interruptible(fn):
 def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> None:
     """Re-render the report of a run (also of an interrupted one) from its stored results."""
     from .report.files import load_run, write_report
+    from .serving import load_serving_run, rerender_serving
+
+    if load_serving_run(run_dir) is not None:
+        if out or fmt != "md":
+            raise HarnessError("a serving run's page is report.md beside its results",
+                               key="--out/--format", fix="drop them")
+        click.echo(str(rerender_serving(run_dir)))
+        return
 
     directory, records = load_run(run_dir)
     click.echo(str(write_report(directory, records, out, fmt, lesson)))
@@ -542,6 +550,22 @@ def compare(runs: tuple[Path, ...], out: Path | None) -> None:
 
     if len(runs) < 2:
         raise HarnessError("compare needs at least two runs", fix="harness compare RUN_A RUN_B")
+    from .report.serving import render_serving_compare
+    from .serving import load_serving_run
+
+    served = [load_serving_run(r) for r in runs]
+    if any(served):
+        if not all(served):
+            raise HarnessError("serving runs compare only with serving runs", key="RUNS",
+                               fix="name serving runs only, or measurement runs only")
+        text = render_serving_compare([(Path(r).name, *s) for r, s in zip(runs, served,
+                                                                          strict=True)])
+        if out:
+            write_text_atomically(out, text)
+            click.echo(str(out))
+        else:
+            click.echo(text)
+        return
     loaded = []
     for r in runs:
         directory, records = load_run(r)

@@ -16,8 +16,8 @@ from .core.serving import RequestTiming, level_summary, steady_decode
 from .engine.build import write_text_atomically
 from .engine.load import Level, Workload, run_level
 from .engine.measure import now_iso
-from .engine.server import RunningServer, ServerSpec, start_server
-from .report.serving import render_serving_page
+from .engine.server import RunningServer, ServerSpec, server_system_info, start_server
+from .report.serving import render_serving_page, write_serving_plots
 
 # Counters llama-server's /metrics keeps (deltas over a level mean something); the rest are
 # gauges of the last request, kept as read.
@@ -190,7 +190,18 @@ def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | 
                                             "server_version": _server_version(run.server)}
             if run.server else {"endpoint": run.endpoint},
             "workload": asdict(run.workload), "slo": run.slo, "scenario": run.scenario,
+            "system_info": _system_info(run, server),
             "levels": [asdict(level) for level in run.levels]}
+
+
+def _system_info(run: ServingRun, server: RunningServer | None) -> dict:
+    """The CPU features of the server's llama.cpp build and of the bindings in this process."""
+    if not server:
+        return {}
+    from .engine.llama import version_info
+
+    return {"server": server_system_info(run.server),
+            "inprocess": version_info()["system_info"] if run.compare_inprocess else None}
 
 
 def _server_version(spec: ServerSpec) -> str | None:
@@ -206,6 +217,28 @@ def _write(f, record: dict) -> None:
     f.flush()
 
 
+def load_serving_run(run_dir: Path) -> tuple[dict, list[dict]] | None:
+    """A serving run's header and level records; None where run_dir holds another kind of run
+    (or none)."""
+    results = run_dir / "results.jsonl" if run_dir.is_dir() else run_dir
+    try:
+        with results.open() as f:
+            header = json.loads(f.readline() or "{}")
+    except (OSError, ValueError):
+        return None
+    if header.get("type") != "header" or "workload" not in header:
+        return None
+    records = finished_levels(results)
+    return header, [r for r in records if r["type"] == "level"]
+
+
+def rerender_serving(run_dir: Path) -> Path:
+    """Write a serving run's page (and plots) again from its results."""
+    _write_page(run_dir, load_serving_run(run_dir)[1])
+    return run_dir / "report.md"
+
+
 def _write_page(out_dir: Path, levels: list[dict]) -> None:
     header = json.loads((out_dir / "results.jsonl").open().readline() or "{}")
-    write_text_atomically(out_dir / "report.md", render_serving_page(header, levels))
+    plots = write_serving_plots(levels, out_dir)
+    write_text_atomically(out_dir / "report.md", render_serving_page(header, levels, plots))

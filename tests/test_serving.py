@@ -193,6 +193,16 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     closed = [x for x in levels if x["concurrency"]]
     assert all(len(x["inprocess_decode_tok_s"]) == 2 for x in closed)  # before and after
     assert "Why: served decode against in-process decode" in page
+    assert (tmp_path / "s" / "latency_vs_throughput.png").exists()
+    assert "latency_by_concurrency.png" in page
+    (tmp_path / "s" / "report.md").unlink()
+    assert run_cli("report", str(tmp_path / "s")).exit_code == 0
+    assert (tmp_path / "s" / "report.md").read_text() == page  # re-rendered from the records
+    compared = run_cli("compare", str(tmp_path / "s"), str(tmp_path / "s"))
+    assert compared.exit_code == 0 and "| 2 in flight | TTFT p50 ms |" in compared.stdout
+    assert "| 1.00 |" in compared.stdout
+    mixed = run_cli("compare", str(tmp_path / "s"), str(tmp_path))
+    assert mixed.exit_code == 2 and "serving runs compare only" in mixed.stderr
     assert _xserver_pids() <= before  # its own server stopped
 
 
@@ -297,3 +307,23 @@ def test_a_serving_scenario_runs_and_resumes_keeping_finished_levels(run_cli, tm
     assert [r["level"] for r in records if r["type"] == "level"] == ["c1", "c2"]
     assert sum(r["type"] == "request" and r["level"] == "c2" for r in records) == 2
     assert sum(r["type"] == "header" for r in records) == 1
+
+
+def test_a_difference_between_the_builds_is_said_with_the_measured_ratios():
+    from harness.report.serving import build_difference, cpu_features
+
+    avx2 = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 0 | REPACK = 1 | "
+    avx512 = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | REPACK = 1 |"
+    assert cpu_features(avx2) == {"SSE3", "AVX2", "REPACK"}
+
+    def level(label, served, inproc):
+        summary = level_summary([RequestTiming(0.0, (0.1, 0.2), (1, 1), 0.2, 2, 8)], 0, 1.0)
+        return {"label": label, "summary": summary, "inprocess_decode_tok_s": [inproc, inproc],
+                "steady_decode": {"tok_s": served, "window_s": 1.0, "n_tokens": 9}}
+
+    levels = [level("1 in flight", 9.9, 10.0), level("4 in flight", 28.0, 40.0)]
+    said = build_difference({"system_info": {"server": avx2, "inprocess": avx512}}, levels)
+    assert "also uses AVX512, AVX512_VNNI" in said
+    assert "0.99 at 1 in flight and 0.70 at 4 in flight" in said
+    same = {"system_info": {"server": avx512, "inprocess": avx512}}
+    assert build_difference(same, levels) is None

@@ -95,6 +95,20 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
 
 
+def server_system_info(spec: ServerSpec) -> str | None:
+    """llama.cpp's system info line of the server's build (the CPU features its kernels use):
+    asked of the xllamacpp wheel in a process of its own; None for a binary."""
+    if spec.server != "xllamacpp":
+        return None
+    code = "import xllamacpp; print(xllamacpp.get_system_info())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else None
+
+
 def start_server(spec: ServerSpec, start_timeout_s: float = START_TIMEOUT_S) -> RunningServer:
     """Start the server in a new session (its own process group) and wait until /health
     answers; a server that exits or stays silent is stopped and named in one line."""

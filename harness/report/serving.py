@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from ..render.tabular import Column, Table, markdown_table
 
@@ -87,6 +88,37 @@ def explain_table(levels: list[dict]) -> Table:
                   "prompt_ms, the wait for a slot, HTTP and streaming."])
 
 
+def cpu_features(system_info: str | None) -> set[str]:
+    """The features llama.cpp's system info line marks on ("AVX512 = 1" → AVX512)."""
+    out = set()
+    for part in (system_info or "").replace("CPU :", "|").split("|"):
+        name, _, value = part.partition("=")
+        if value.strip() == "1":
+            out.add(name.strip())
+    return out
+
+
+def build_difference(header: dict, levels: list[dict]) -> str | None:
+    """A sentence on the CPU features one build uses and the other does not (when both are
+    known and differ), with served ÷ in-process at the first and last compared level."""
+    info = header.get("system_info") or {}
+    server, inproc = cpu_features(info.get("server")), cpu_features(info.get("inprocess"))
+    compared = [row for row in map(level_row, levels) if row.get("served_of_inprocess")]
+    if not server or not inproc or server == inproc or not compared:
+        return None
+    parts = ([f"the in-process build also uses {', '.join(sorted(inproc - server))}"]
+             if inproc - server else []) + (
+        [f"the server's also uses {', '.join(sorted(server - inproc))}"]
+        if server - inproc else [])
+    first, last = compared[0], compared[-1]
+    trend = (f"; served ÷ in-process was {first['served_of_inprocess']:.2f} at {first['level']}"
+             + (f" and {last['served_of_inprocess']:.2f} at {last['level']}"
+                if last is not first else ""))
+    return ("The server's llama.cpp build and the in-process one run different CPU kernels: "
+            + "; ".join(parts) + " (llama.cpp's system info of each), so the comparison "
+            "measures the builds as well as the serving" + trend + ".")
+
+
 def findings(levels: list[dict]) -> list[str]:
     """What the levels showed, from their rows: per-user speed against aggregate throughput
     (closed-loop levels, against the first of them) and offered against served load (open)."""
@@ -129,7 +161,8 @@ def _or(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
 
 
-def render_serving_page(header: dict, levels: list[dict]) -> str:
+def render_serving_page(header: dict, levels: list[dict],
+                        plots: list[tuple[str, str]] = ()) -> str:
     """The whole page: title, setup, findings first, the table, and what was not measured."""
     w, server = header.get("workload", {}), header.get("server", {})
     where = (f"{server.get('server_version') or server.get('server')}, {server.get('slots')} "
@@ -145,9 +178,84 @@ def render_serving_page(header: dict, levels: list[dict]) -> str:
              f"at most {w.get('n_requests')} requests or {w.get('duration_s'):g} s per level; "
              f"model {header.get('model', '')}.", "", "## Findings", ""]
     lines += [f"- {f}" for f in findings(levels)]
+    if differ := build_difference(header, levels):
+        lines.append(f"- {differ}")
     lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
     if any(lv.get("steady_decode") for lv in levels):
         lines += [markdown_table(explain_table(levels)), ""]
+    lines += [f"![{caption}]({name})\n" for name, caption in plots]
     failed = [lv for lv in levels if lv.get("errors")]
     lines += [f"- {lv['label']}: {'; '.join(lv['errors'])}" for lv in failed]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, str]]:
+    """The latency-throughput plot and, with two or more closed levels, TTFT and ITL against
+    the requests in flight; (file, caption) pairs for the page."""
+    from ..render import plotkit
+
+    rows = [(lv, level_row(lv)) for lv in levels if lv["summary"]["n_ok"]]
+    if not rows:
+        return []
+    fig, (a1, a2) = plotkit.plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in ((a1, "tpot_s", "TPOT"), (a2, "ttft_s", "TTFT")):
+        for lv, row in rows:
+            marker = "o" if lv.get("concurrency") else "s"
+            ax.errorbar([row["output_tok_s"]], [row[f"{key}_p50"]], fmt=marker,
+                        yerr=[[0], [row[f"{key}_p90"] - row[f"{key}_p50"]]], capsize=3)
+            ax.annotate(row["level"], (row["output_tok_s"], row[f"{key}_p50"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("output tok/s (all requests)")
+        ax.set_ylabel(f"{name} ms (p50, bar to p90)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Each level: what users wait for against what the server delivers")
+    fig.tight_layout()
+    out = [(plotkit.save(fig, out_dir, "latency_vs_throughput"),
+            "Per-user latency against aggregate throughput, one point per load level "
+            "(circles closed loop, squares open loop)")]
+    closed = [(lv["concurrency"], row) for lv, row in rows if lv.get("concurrency")]
+    if len(closed) >= 2:
+        out.append((_by_concurrency(plotkit, closed, out_dir),
+                    "TTFT and ITL against the requests in flight (closed loop)"))
+    return out
+
+
+def _by_concurrency(plotkit, closed: list[tuple[int, dict]], out_dir: Path) -> str:
+    fig, (a1, a2) = plotkit.plt.subplots(1, 2, figsize=(10, 4))
+    xs = [c for c, _ in closed]
+    for ax, key, name in ((a1, "ttft_s", "TTFT"), (a2, "itl_s", "ITL")):
+        for p, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(xs, [row[f"{key}_{p}"] for _, row in closed], style, label=f"{name} {p}")
+        ax.legend(fontsize=8)
+    plotkit.log2_pair(a1, a2, "requests in flight", "TTFT ms", "ITL ms")
+    return plotkit.save(fig, out_dir, "latency_by_concurrency")
+
+
+COMPARED = (("ttft_s_p50", "TTFT p50 ms"), ("ttft_s_p99", "TTFT p99 ms"),
+            ("itl_s_p50", "ITL p50 ms"), ("itl_s_p99", "ITL p99 ms"),
+            ("output_tok_s", "output tok/s"), ("request_s", "requests/s"))
+
+
+def render_serving_compare(runs: list[tuple[str, dict, list[dict]]]) -> str:
+    """Serving runs side by side per load level: each metric of every run, and each later
+    run ÷ the first. One run per level each: single figures, no intervals."""
+    names = [name for name, _, _ in runs]
+    by_run = [{lv["level"]: level_row(lv) for lv in levels} for _, _, levels in runs]
+    keys = [k for k in dict.fromkeys(k for rows in by_run for k in rows)]
+    lines = ["# Serving runs compared", "", "Runs: " + ", ".join(
+        f"{n} ({h.get('model', '')}, {h.get('created', '')[:10]})" for n, h, _ in runs), ""]
+    head = ["load", "metric", *names, *(f"{n} ÷ {names[0]}" for n in names[1:])]
+    lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for key in keys:
+        rows = [r.get(key) for r in by_run]
+        label = next(r["level"] for r in rows if r)
+        for metric, title in COMPARED:
+            values = [r.get(metric) if r else None for r in rows]
+            ratios = [(v / values[0]) if v and values[0] else None for v in values[1:]]
+            lines.append("| " + " | ".join([label, title, *(_or(v) for v in values),
+                                            *(_or(x) for x in ratios)]) + " |")
+    lines += ["", "A level appears when any run has it; – where a run did not measure it. "
+              "Each figure is one run's percentile or rate: a ratio far from 1 may still be "
+              "this machine's swings between the runs' minutes."]
+    return "\n".join(lines) + "\n"
