@@ -74,11 +74,49 @@ def _levels(concurrency: str | None, rate: str | None):
     return tuple(levels) or (Level(concurrency=1),)
 
 
+@cli.group()
+def server() -> None:
+    """llama.cpp's llama-server built from the bindings' own source."""
+
+
+@server.command("build")
+@click.option("--jobs", "-j", type=click.IntRange(1, 1024),
+              help="Compile jobs (default: all cores).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              help="Where servers are cached (default: $HARNESS_SERVER_DIR or the user cache "
+                   "dir).")
+@click.option("--force", is_flag=True, help="Build again even when one is cached.")
+@click.option("--source", type=click.Path(dir_okay=False, path_type=Path),
+              help="The bindings' source package (llama_cpp_python-VERSION.tar.gz) instead of "
+                   "downloading it.")
+def server_build(jobs: int | None, directory: Path | None, force: bool,
+                 source: Path | None) -> None:
+    """Compile llama-server from the installed llama-cpp-python's source package (same
+    llama.cpp commit and flags as the bindings), cache it and print its path (--server built)."""
+    from .engine.serverbuild import build_server, check_source
+
+    if source is not None:  # refused before the progress bar shows
+        check_source(source)
+    with click.progressbar(length=100, label="llama-server", file=sys.stderr) as bar:
+        def progress(percent: int | None, line: str) -> None:
+            if percent is None:  # a step, not a compile line
+                bar.label = f"llama-server: {line}"
+                bar.render_progress()
+            else:
+                bar.update(max(0, percent - bar.pos))
+        built = build_server(progress, jobs, directory, force, source)
+    note = "cached" if built.cached else f"built in {built.seconds / 60:.1f} min"
+    click.echo(built.binary)
+    click.echo(f"llama-server from {built.llama_cpp_python} (llama.cpp {built.llama_cpp_commit[:9]}"
+               f"), {note}", err=True)
+
+
 @cli.command()
 @click.argument("model")
 @click.option("--dtype", default="f16", show_default=True, help="Weight type of a built spec.")
 @click.option("--server", default="xllamacpp", show_default=True,
-              help="xllamacpp (llama.cpp's server from the wheel) or a llama-server binary.")
+              help="built (harness server build), xllamacpp (the wheel's server) or a "
+                   "llama-server binary.")
 @click.option("--endpoint", help="Load a server already running at this URL instead.")
 @click.option("--slots", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--concurrency", default="1,2,4", show_default=True,

@@ -16,7 +16,14 @@ from .core.serving import RequestTiming, level_summary, steady_decode
 from .engine.build import write_text_atomically
 from .engine.load import Level, Workload, run_level
 from .engine.measure import now_iso
-from .engine.server import RunningServer, ServerSpec, server_system_info, start_server
+from .engine.server import (
+    RunningServer,
+    ServerSpec,
+    server_system_info,
+    server_version_line,
+    start_server,
+)
+from .engine.serverbuild import built_binary, cached_build
 from .report.serving import render_serving_page, write_serving_plots
 
 # Counters llama-server's /metrics keeps (deltas over a level mean something); the rest are
@@ -42,8 +49,9 @@ class ServingRun:
 def serving_run(plan, model_path: Path, n_vocab: int, physical_cores: int) -> ServingRun:
     """The run a serving plan (harness.servescenario.ServePlan) asks for, on a model file."""
     per_slot = plan.n_prompt + plan.n_generate + 16
+    where = str(built_binary()) if plan.server == "built" else plan.server
     server = None if plan.endpoint else ServerSpec(
-        plan.server, model_path, plan.slots, ctx=plan.slots * per_slot,
+        where, model_path, plan.slots, ctx=plan.slots * per_slot,
         threads=plan.threads or physical_cores)
     workload = Workload(plan.n_prompt, plan.n_generate, n_vocab, plan.n_requests,
                         plan.duration_s, plan.warmup, plan.prefix_cache, plan.timeout_s,
@@ -68,6 +76,10 @@ def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
            if f"llamacpp:{name}" in after and f"llamacpp:{name}" in before}
     if out.get("n_decode_total"):
         out["tokens_per_decode_call"] = out["tokens_predicted_total"] / out["n_decode_total"]
+        gauge, calls = "llamacpp:n_busy_slots_per_decode", "llamacpp:n_decode_total"
+        if gauge in before and gauge in after:  # a running mean since start: undo it per level
+            out["busy_slots_per_decode_call"] = (
+                after[gauge] * after[calls] - before[gauge] * before[calls]) / out["n_decode_total"]
     return out
 
 
@@ -187,7 +199,8 @@ def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | 
             "model": run.model_label, "url": url,
             "server": asdict(run.server) | {"model": str(run.server.model),
                                             "command": server.process.args,
-                                            "server_version": _server_version(run.server)}
+                                            "server_version": _server_version(run.server),
+                                            "build": _server_build(run.server)}
             if run.server else {"endpoint": run.endpoint},
             "workload": asdict(run.workload), "slo": run.slo, "scenario": run.scenario,
             "system_info": _system_info(run, server),
@@ -200,16 +213,24 @@ def _system_info(run: ServingRun, server: RunningServer | None) -> dict:
         return {}
     from .engine.llama import version_info
 
-    return {"server": server_system_info(run.server),
-            "inprocess": version_info()["system_info"] if run.compare_inprocess else None}
+    ours = version_info()
+    return {"server": server_system_info(server), "inprocess": ours["system_info"],
+            "inprocess_commit": ours["ggml_commit"]}
 
 
 def _server_version(spec: ServerSpec) -> str | None:
+    """The wheel's version, or the first line of what a binary says to --version."""
     if spec.server != "xllamacpp":
-        return None
+        return server_version_line(spec.server)
     from importlib.metadata import version
 
     return f"xllamacpp {version('xllamacpp')}"
+
+
+def _server_build(spec: ServerSpec) -> dict | None:
+    """The record of harness server build when the binary served is the cached one."""
+    build = cached_build()
+    return asdict(build) if build and Path(build.binary) == Path(spec.server) else None
 
 
 def _write(f, record: dict) -> None:

@@ -67,11 +67,14 @@ class RunningServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def log_tail(self, n_chars: int = 400) -> str:
+    def log_text(self) -> str:
         try:
-            return self.log_path.read_text(errors="replace")[-n_chars:].strip()
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, n_chars: int = 400) -> str:
+        return self.log_text()[-n_chars:].strip()
 
     def stop(self) -> None:
         """SIGTERM to the whole process group, SIGKILL if it outlives STOP_TIMEOUT_S."""
@@ -95,11 +98,13 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
 
 
-def server_system_info(spec: ServerSpec) -> str | None:
+def server_system_info(running: RunningServer) -> str | None:
     """llama.cpp's system info line of the server's build (the CPU features its kernels use):
-    asked of the xllamacpp wheel in a process of its own; None for a binary."""
-    if spec.server != "xllamacpp":
-        return None
+    from the server's log where it printed one, else asked of the binary or the wheel."""
+    if line := _system_info_line(running.log_text()):
+        return line
+    if running.spec.server != "xllamacpp":
+        return binary_system_info(running.spec.server)
     code = "import xllamacpp; print(xllamacpp.get_system_info())"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -107,6 +112,38 @@ def server_system_info(spec: ServerSpec) -> str | None:
     except (subprocess.SubprocessError, OSError):
         return None
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else None
+
+
+def binary_system_info(binary: str) -> str | None:
+    """A llama-server binary's system info: it prints the line at trace verbosity (-lv 4)
+    before loading its model, so a model that does not exist ends it right after."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [shutil.which(binary) or binary, "-lv", "4", "-m", str(Path(tmp) / "none.gguf"),
+               "--host", "127.0.0.1", "--port", str(free_port())]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                                  stdin=subprocess.DEVNULL)
+        except (subprocess.SubprocessError, OSError):
+            return None
+    return _system_info_line(done.stdout + done.stderr)
+
+
+def _system_info_line(text: str) -> str | None:
+    for line in text.splitlines():
+        if "system_info:" in line and "CPU :" in line:
+            return "CPU : " + line.split("CPU :", 1)[1].strip()
+    return None
+
+
+def server_version_line(binary: str) -> str | None:
+    """The first line a llama-server binary prints for --version (its version and commit)."""
+    try:
+        done = subprocess.run([shutil.which(binary) or binary, "--version"], capture_output=True,
+                              text=True, timeout=60)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
+    return lines[0].strip() if lines else None
 
 
 def start_server(spec: ServerSpec, start_timeout_s: float = START_TIMEOUT_S) -> RunningServer:

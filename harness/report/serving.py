@@ -29,14 +29,17 @@ def level_row(level: dict) -> dict:
            "goodput": s.get("goodput_request_s"),
            "server_prompt_ms": (statistics.median(level["server_prompt_ms"])
                                 if level.get("server_prompt_ms") else None),
-           "per_decode": (level.get("counters") or {}).get("tokens_per_decode_call")}
+           "per_decode": (level.get("counters") or {}).get("tokens_per_decode_call"),
+           "busy_slots": (level.get("counters") or {}).get("busy_slots_per_decode_call")}
     steady, ip = level.get("steady_decode"), level.get("inprocess_decode_tok_s")
     row |= {"steady_tok_s": steady["tok_s"] if steady else None,
             "steady_window_s": steady["window_s"] if steady else None,
             "inprocess_tok_s": statistics.mean(ip) if ip else None,
             "inprocess_range": f"{min(ip):.1f}–{max(ip):.1f}" if ip else None}
-    if steady and ip:
+    if steady and ip:  # against the mean, and the range against the slowest and fastest
         row["served_of_inprocess"] = steady["tok_s"] / statistics.mean(ip)
+        row["served_of_inprocess_range"] = (f"{steady['tok_s'] / max(ip):.2f}–"
+                                            f"{steady['tok_s'] / min(ip):.2f}")
     for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "chunk_gap_s", "server_prompt_s",
                    "ttft_outside_prompt_s"):
         for p in ("p50", "p90", "p99"):
@@ -51,10 +54,13 @@ def levels_table(levels: list[dict], slo: dict | None) -> Table:
     cols += [Column("chunk gap p50 ms", "chunk_gap_s_p50", "f2"),
              Column("E2E p50 ms", "e2e_s_p50", "f1"), Column("E2E p99 ms", "e2e_s_p99", "f1"),
              Column("requests/s", "request_s", "f2"), Column("output tok/s", "output_tok_s", "f1"),
+             Column("busy slots per decode call", "busy_slots", "f2"),
              Column("tokens per decode call", "per_decode", "f2")]
-    notes = [METRIC_NOTE, "Tokens per decode call: the growth of llama-server's "
-             "tokens_predicted_total ÷ n_decode_total counters over the level, how many "
-             "sequences each of its batched decode steps carried on average (its busy slots)."]
+    notes = [METRIC_NOTE, "Busy slots per decode call: llama-server's n_busy_slots_per_decode "
+             "(a running mean since it started) taken apart over the level with n_decode_total: "
+             "the requests each llama_decode call carried, in prefill or decode. Tokens per "
+             "decode call: the growth of tokens_predicted_total ÷ n_decode_total, generated "
+             "tokens per call (calls that only ran a prompt count too)."]
     if slo:
         cols.append(Column("goodput requests/s", "goodput", "f2"))
         notes.append("Goodput: requests/s meeting every SLO (" + ", ".join(
@@ -63,14 +69,35 @@ def levels_table(levels: list[dict], slo: dict | None) -> Table:
                  [level_row(lv) for lv in levels], notes)
 
 
-def explain_table(levels: list[dict]) -> Table:
+def server_identity(header: dict) -> str:
+    """Which llama.cpp served: the harness's own build (and whether its commit is the bindings'),
+    the xllamacpp wheel's, a binary the user gave, or an endpoint."""
+    server = header.get("server") or {}
+    if "slots" not in server:
+        return f"the server at {server.get('endpoint')}"
+    build = server.get("build")
+    if build:
+        ours = ((header.get("system_info") or {}).get("inprocess_commit") or "").split("-")[0]
+        same = (" (the bindings' own commit)" if ours and build["llama_cpp_commit"].startswith(ours)
+                else f" (the bindings report {ours})" if ours else "")
+        return (f"llama-server built by harness server build from llama-cpp-python "
+                f"{build['llama_cpp_python']}'s source, llama.cpp {build['llama_cpp_commit'][:9]}"
+                + same)
+    if server.get("server") == "xllamacpp":
+        return (f"llama.cpp's server from the {server.get('server_version') or 'xllamacpp'} "
+                "wheel (its own llama.cpp commit and build flags, not the bindings')")
+    return f"the llama-server binary {server.get('server')} ({server.get('server_version')})"
+
+
+def explain_table(levels: list[dict], header: dict) -> Table:
     """Served decode against the same file's in-process decode, and what TTFT is made of."""
     cols = [Column("load", "level"),
             Column("served decode tok/s (steady window)", "steady_tok_s", "f1"),
             Column("steady window s", "steady_window_s", "f2"),
-            Column("in-process decode tok/s (before–after)", "inprocess_range"),
+            Column("in-process decode tok/s (before–after)", "inprocess_range", "text"),
             Column("served ÷ in-process", "served_of_inprocess", "f2"),
-            Column("tokens per decode call", "per_decode", "f2"),
+            Column("against the slower–faster in-process", "served_of_inprocess_range", "text"),
+            Column("busy slots per decode call", "busy_slots", "f2"),
             Column("TTFT p50 ms", "ttft_s_p50", "f2"),
             Column("server prompt p50 ms", "server_prompt_s_p50", "f2"),
             Column("TTFT outside the server's prompt time p50 ms", "ttft_outside_prompt_s_p50",
@@ -82,10 +109,10 @@ def explain_table(levels: list[dict]) -> Table:
                   "request's prefill and the drain left out), ÷ those spans. In-process: the "
                   "same file decoding as many sequences together through the bindings in this "
                   "process (same threads, ubatch, per-sequence context, flash attention auto, "
-                  "F16 KV cache, mmap), once before and once after the level; the server's "
-                  "llama.cpp is another build (xllamacpp's) unless a llama-server binary was "
-                  "given. TTFT outside the server's prompt time: each request's TTFT minus its "
-                  "prompt_ms, the wait for a slot, HTTP and streaming."])
+                  "F16 KV cache, mmap), once before and once after the level. The server: "
+                  f"{server_identity(header)}. TTFT outside the server's prompt time: each "
+                  "request's TTFT minus its prompt_ms, the wait for a slot, HTTP and "
+                  "streaming."])
 
 
 def cpu_features(system_info: str | None) -> set[str]:
@@ -148,13 +175,16 @@ def _closed_finding(first: dict, row: dict) -> str:
 
 
 def _served_finding(row: dict) -> str:
-    busy = (f"; its decode steps carried {row['per_decode']:.2f} sequences on average"
+    busy = (f"; its decode calls carried {row['busy_slots']:.2f} busy slots on average"
+            if row.get("busy_slots") else
+            f"; its decode calls produced {row['per_decode']:.2f} tokens on average"
             if row.get("per_decode") else "")
     return (f"At {row['level']} the server decoded {row['steady_tok_s']:.1f} tok/s over its "
             f"steady window ({row['steady_window_s']:.1f} s), {row['served_of_inprocess']:.2f}× "
             f"the same file's in-process batched decode ({row['inprocess_range']} tok/s before "
-            f"and after){busy}; of its TTFT p50 {row['ttft_s_p50']:.1f} ms, the server's prompt "
-            f"time was {_or(row.get('server_prompt_s_p50'))} ms.")
+            f"and after: {row['served_of_inprocess_range']}×){busy}; of its TTFT p50 "
+            f"{row['ttft_s_p50']:.1f} ms, the server's prompt time was "
+            f"{_or(row.get('server_prompt_s_p50'))} ms.")
 
 
 def _or(value: float | None) -> str:
@@ -165,8 +195,8 @@ def render_serving_page(header: dict, levels: list[dict],
                         plots: list[tuple[str, str]] = ()) -> str:
     """The whole page: title, setup, findings first, the table, and what was not measured."""
     w, server = header.get("workload", {}), header.get("server", {})
-    where = (f"{server.get('server_version') or server.get('server')}, {server.get('slots')} "
-             f"slot(s)" if "slots" in server else f"endpoint {server.get('endpoint')}")
+    where = server_identity(header) + (f", {server.get('slots')} slot(s)"
+                                       if "slots" in server else "")
     scenario = header.get("scenario") or {}
     lines = [f"# {scenario.get('title') or 'Serving ' + header.get('model', '')}", ""]
     if scenario.get("description"):
@@ -182,7 +212,7 @@ def render_serving_page(header: dict, levels: list[dict],
         lines.append(f"- {differ}")
     lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
     if any(lv.get("steady_decode") for lv in levels):
-        lines += [markdown_table(explain_table(levels)), ""]
+        lines += [markdown_table(explain_table(levels, header)), ""]
     lines += [f"![{caption}]({name})\n" for name, caption in plots]
     failed = [lv for lv in levels if lv.get("errors")]
     lines += [f"- {lv['label']}: {'; '.join(lv['errors'])}" for lv in failed]
