@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import __version__
 from .core.errors import MeasurementError
 from .core.serving import RequestTiming, level_summary, steady_decode
+from .core.stats import ratio_summary
 from .engine.build import write_text_atomically
 from .engine.load import Level, Workload, run_level
 from .engine.measure import now_iso
@@ -43,6 +45,7 @@ class ServingRun:
     slo: dict | None = None
     model_label: str = ""
     compare_inprocess: bool = True  # closed levels of a started server: the same file in-process
+    rounds: int = 3  # a compared level: served and in-process alternate, round by round
     scenario: dict = field(default_factory=dict)  # the scenario file's name, title and text
 
 
@@ -58,7 +61,7 @@ def serving_run(plan, model_path: Path, n_vocab: int, physical_cores: int) -> Se
                         plan.seed)
     label = Path(plan.model).stem if plan.model.endswith(".gguf") else plan.model
     return ServingRun(plan.levels, workload, server, plan.endpoint, plan.slo or None, label,
-                      plan.inprocess, _scenario_fields(plan))
+                      plan.inprocess, plan.rounds, _scenario_fields(plan))
 
 
 def _scenario_fields(plan) -> dict:
@@ -157,26 +160,36 @@ def _yardstick(run: ServingRun):
 def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None, f,
              say, yard=None) -> dict:
     compare = yard is not None and level.concurrency and level.concurrency <= run.server.slots
+    n_rounds = _n_rounds(run, level) if compare else 1
     inprocess = [yard.aggregate_tok_s(level.concurrency)] if compare else []
-    raw = asyncio.run(run_level(url, level, run.workload))
-    if compare:
-        inprocess.append(yard.aggregate_tok_s(level.concurrency))
-    for r in raw["records"]:
-        _write(f, {"type": "request", "level": level.key} | r)
-    timings = timings_of(raw["records"])
-    failed = len(raw["records"]) - len(timings)
+    raws = []
+    for r in range(n_rounds):  # in-process, served, in-process, served, …, in-process
+        w = replace(run.workload, n_requests=_share(run.workload.n_requests, n_rounds, r),
+                    duration_s=run.workload.duration_s / n_rounds,
+                    warmup=run.workload.warmup if r == 0 else 0)
+        raws.append(asyncio.run(run_level(url, level, w, first=sum(
+            _share(run.workload.n_requests, n_rounds, q) for q in range(r)))))
+        if compare:
+            inprocess.append(yard.aggregate_tok_s(level.concurrency))
+    records = [{"round": r} | rec for r, raw in enumerate(raws) for rec in raw["records"]]
+    for rec in records:
+        _write(f, {"type": "request", "level": level.key} | rec)
+    timings = timings_of(records)
+    failed = len(records) - len(timings)
+    wall_s = sum(raw["wall_s"] for raw in raws)
     record = {"type": "level", "level": level.key, "label": level.label,
               "concurrency": level.concurrency, "rate": level.rate,
-              "summary": level_summary(timings, failed, raw["wall_s"], run.slo),
-              "server_prompt_ms": _server_ms(raw["records"], "prompt_ms"),
+              "summary": level_summary(timings, failed, wall_s, run.slo),
+              "server_prompt_ms": _server_ms(records, "prompt_ms"),
               "steady_decode": steady_decode(timings, level.concurrency)
               if level.concurrency else None,
               "inprocess_decode_tok_s": inprocess or None,
-              "counters": counter_deltas(raw["metrics_before"], raw["metrics_after"]),
-              "errors": sorted({r["error"] for r in raw["records"] if r["error"]})[:5]}
+              "rounds": _paired_rounds(raws, inprocess, level.concurrency) if compare else None,
+              "counters": counter_deltas(raws[0]["metrics_before"], raws[-1]["metrics_after"]),
+              "errors": sorted({r["error"] for r in records if r["error"]})[:5]}
     _write(f, record)
     say(f"{level.label}: {len(timings)} requests, {failed} failed "
-        f"[{raw['wall_s']:.1f} s]")
+        f"[{wall_s:.1f} s{f', {len(raws)} rounds' if len(raws) > 1 else ''}]")
     if server and not server.alive():
         raise MeasurementError(f"the server exited during the level {level.label}: "
                                f"{server.log_tail()}", key="server",
@@ -186,6 +199,30 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
                                f"{'; '.join(record['errors'])}", key="server",
                                fix="check the server and the endpoint")
     return record
+
+
+def _n_rounds(run: ServingRun, level: Level) -> int:
+    """Rounds a compared level is split into: as asked, each with at least one request per
+    worker, so every round has a window where all of them decode."""
+    return max(1, min(run.rounds, run.workload.n_requests // level.concurrency))
+
+
+def _share(n: int, parts: int, i: int) -> int:
+    """Part i of n requests split as evenly as can be into parts."""
+    return n // parts + (1 if i < n % parts else 0)
+
+
+def _paired_rounds(raws: list[dict], inprocess: list[float], concurrency: int) -> dict:
+    """Each round's served steady decode against the in-process figures either side of it
+    (their geometric mean: the machine's drift over the round cancels to first order), and
+    the ratio over the rounds with its interval (core/stats: a paired contrast)."""
+    served = [steady_decode(timings_of(raw["records"]), concurrency) for raw in raws]
+    per_round = [{"served_tok_s": s["tok_s"] if s else None,
+                  "inprocess_tok_s": math.sqrt(inprocess[r] * inprocess[r + 1])}
+                 for r, s in enumerate(served)]
+    ratios = [row["served_tok_s"] / row["inprocess_tok_s"] for row in per_round
+              if row["served_tok_s"]]
+    return {"per_round": per_round, "served_of_inprocess": ratio_summary(ratios)}
 
 
 def _server_ms(records: list[dict], key: str) -> list[float]:

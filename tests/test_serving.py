@@ -179,7 +179,7 @@ def test_a_real_server_under_closed_and_open_loop_load(served):
 def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path):
     before = _xserver_pids()
     result = run_cli("serve", "tiny-llama", "--concurrency", "1,2", "--rate", "40",
-                     "--requests", "3", "--prompt", "8", "--generate", "4", "--slots", "2",
+                     "--requests", "6", "--prompt", "8", "--generate", "4", "--slots", "2",
                      "--threads", "1", "--slo-ttft-ms", "1000", "--out", str(tmp_path / "s"))
     assert result.exit_code == 0, result.stderr
     lines = [json.loads(x) for x in (tmp_path / "s" / "results.jsonl").read_text().splitlines()]
@@ -191,7 +191,14 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     page = (tmp_path / "s" / "report.md").read_text()
     assert "## Findings" in page and "| 2 in flight |" in page and "goodput" in page
     closed = [x for x in levels if x["concurrency"]]
-    assert all(len(x["inprocess_decode_tok_s"]) == 2 for x in closed)  # before and after
+    # three rounds of two requests each: in-process before the first round and after each
+    assert all(len(x["inprocess_decode_tok_s"]) == 4 for x in closed)
+    assert all(x["rounds"]["served_of_inprocess"]["n"] == 3 for x in closed)
+    assert all(x["rounds"]["served_of_inprocess"]["median_ci95"] for x in closed)
+    requests = [x for x in lines if x["type"] == "request" and x["level"] == "c2"]
+    assert sorted(r["round"] for r in requests) == [0, 0, 1, 1, 2, 2]
+    assert len({r["index"] for r in requests}) == 6  # every round's prompts its own
+    assert "rounds paired with in-process figures" in page
     assert "Why: served decode against in-process decode" in page
     assert (tmp_path / "s" / "latency_vs_throughput.png").exists()
     assert "latency_by_concurrency.png" in page
@@ -327,3 +334,29 @@ def test_a_difference_between_the_builds_is_said_with_the_measured_ratios():
     assert "0.99 at 1 in flight and 0.70 at 4 in flight" in said
     same = {"system_info": {"server": avx512, "inprocess": avx512}}
     assert build_difference(same, levels) is None
+
+
+def test_rounds_pair_served_decode_with_the_in_process_figures_either_side():
+    from harness.serving import ServingRun, _n_rounds, _paired_rounds, _share
+
+    def request(start: float, tok_s: float) -> dict:  # 1 + 8 tokens at tok_s
+        chunks = [start + i / tok_s for i in range(9)]
+        return {"error": None, "sent_s": start - 0.1, "chunk_s": chunks, "chunk_tokens":
+                [1] * 9, "end_s": chunks[-1], "usage": {"completion_tokens": 9,
+                                                        "prompt_tokens": 4}, "timings": {}}
+
+    raws = [{"records": [request(0.0, rate)]} for rate in (10.0, 20.0, 40.0)]
+    # the machine doubles its speed each round; in-process figures either side follow it
+    out = _paired_rounds(raws, [9.0, 12.0, 24.0, 48.0], concurrency=1)
+    assert [r["inprocess_tok_s"] for r in out["per_round"]] == pytest.approx(
+        [(9 * 12) ** 0.5, (12 * 24) ** 0.5, (24 * 48) ** 0.5])
+    ratios = [10 / (9 * 12) ** 0.5, 20 / (12 * 24) ** 0.5, 40 / (24 * 48) ** 0.5]
+    stat = out["served_of_inprocess"]
+    assert stat["n"] == 3 and stat["ratio"] == pytest.approx(
+        (ratios[0] * ratios[1] * ratios[2]) ** (1 / 3))
+    assert stat["median_ci95"][0] < stat["ratio"] < stat["median_ci95"][1]
+    assert [_share(7, 3, i) for i in range(3)] == [3, 2, 2]
+    w = Workload(n_prompt=8, n_generate=4, n_vocab=64, n_requests=6, duration_s=10)
+    run = ServingRun((), w, rounds=3)
+    assert _n_rounds(run, Level(concurrency=1)) == 3
+    assert _n_rounds(run, Level(concurrency=4)) == 1  # a round needs a request per worker

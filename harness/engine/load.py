@@ -50,7 +50,7 @@ class Workload:
     seed: int = 0
 
 
-def prompts(w: Workload, level: Level, n: int) -> Callable[[int], list[int]]:
+def prompts(w: Workload, level: Level) -> Callable[[int], list[int]]:
     """Request i's prompt: random token ids, unique per request, level and run seed."""
     def make(i: int) -> list[int]:
         rng = np.random.default_rng([w.seed, zlib.crc32(level.key.encode()), i])
@@ -58,10 +58,14 @@ def prompts(w: Workload, level: Level, n: int) -> Callable[[int], list[int]]:
     return make
 
 
-async def run_level(base_url: str, level: Level, w: Workload) -> dict:
-    """Warm up, then load the server at this level; the requests' records and the server's
-    counters before and after (None where it has no /metrics)."""
-    make = prompts(w, level, w.warmup + w.n_requests)
+WARMUP_INDEX = 1 << 32  # warm-up prompts' indices: apart from every kept request's
+
+
+async def run_level(base_url: str, level: Level, w: Workload, first: int = 0) -> dict:
+    """Warm up, then load the server at this level with requests first, first + 1, …; the
+    requests' records and the server's counters before and after (None where it has no
+    /metrics)."""
+    make = prompts(w, level)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(w.timeout_s), limits=limits) as client:
         async def send(i: int) -> dict:
@@ -69,22 +73,22 @@ async def run_level(base_url: str, level: Level, w: Workload) -> dict:
             return await stream_completion(client, base_url, body, w.timeout_s) | {"index": i}
 
         for i in range(w.warmup):
-            await send(w.n_requests + i)  # prompts of their own, records not kept
+            await send(WARMUP_INDEX + i)  # prompts of their own, records not kept
         before = await asyncio.to_thread(prometheus_counters, base_url)
         started = time.perf_counter()
-        records = await (_closed(send, level.concurrency, w) if level.concurrency
-                         else _open(send, level.rate, w))
+        records = await (_closed(send, level.concurrency, w, first) if level.concurrency
+                         else _open(send, level.rate, w, first))
         wall_s = time.perf_counter() - started
         after = await asyncio.to_thread(prometheus_counters, base_url)
     return {"records": records, "wall_s": wall_s, "started_s": started,
             "metrics_before": before, "metrics_after": after}
 
 
-async def _closed(send, concurrency: int, w: Workload) -> list[dict]:
+async def _closed(send, concurrency: int, w: Workload, first: int = 0) -> list[dict]:
     """`concurrency` workers, each sending its next request when the last one ended, until
     n_requests were sent or duration_s passed."""
     deadline = time.perf_counter() + w.duration_s
-    counter = iter(range(w.n_requests))
+    counter = iter(range(first, first + w.n_requests))
     records: list[dict] = []
 
     async def worker() -> None:
@@ -97,7 +101,7 @@ async def _closed(send, concurrency: int, w: Workload) -> list[dict]:
     return sorted(records, key=lambda r: r["index"])
 
 
-async def _open(send, rate: float, w: Workload) -> list[dict]:
+async def _open(send, rate: float, w: Workload, first: int = 0) -> list[dict]:
     """Requests sent at Poisson arrival times (exponential gaps of mean 1/rate), whatever is
     in flight, until n_requests were sent or duration_s passed."""
     gaps = np.random.default_rng([w.seed, 7]).exponential(1.0 / rate, w.n_requests)
@@ -108,5 +112,5 @@ async def _open(send, rate: float, w: Workload) -> list[dict]:
         if at >= w.duration_s:
             break
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        tasks.append(asyncio.create_task(send(i)))
+        tasks.append(asyncio.create_task(send(first + i)))
     return list(await asyncio.gather(*tasks))

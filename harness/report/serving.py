@@ -36,10 +36,15 @@ def level_row(level: dict) -> dict:
             "steady_window_s": steady["window_s"] if steady else None,
             "inprocess_tok_s": statistics.mean(ip) if ip else None,
             "inprocess_range": f"{min(ip):.1f}–{max(ip):.1f}" if ip else None}
-    if steady and ip:  # against the mean, and the range against the slowest and fastest
+    paired = (level.get("rounds") or {}).get("served_of_inprocess")
+    if paired:  # rounds alternating served and in-process: the paired estimate
+        row["served_of_inprocess"] = paired["ratio"]
+        row["served_of_inprocess_stat"] = paired
+        row["n_rounds"] = paired["n"]
+    elif steady and ip:  # one figure before and one after the level: no interval
         row["served_of_inprocess"] = steady["tok_s"] / statistics.mean(ip)
-        row["served_of_inprocess_range"] = (f"{steady['tok_s'] / max(ip):.2f}–"
-                                            f"{steady['tok_s'] / min(ip):.2f}")
+        row["served_of_inprocess_stat"] = {"median": row["served_of_inprocess"]}
+        row["n_rounds"] = 1
     for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "chunk_gap_s", "server_prompt_s",
                    "ttft_outside_prompt_s"):
         for p in ("p50", "p90", "p99"):
@@ -94,9 +99,9 @@ def explain_table(levels: list[dict], header: dict) -> Table:
     cols = [Column("load", "level"),
             Column("served decode tok/s (steady window)", "steady_tok_s", "f1"),
             Column("steady window s", "steady_window_s", "f2"),
-            Column("in-process decode tok/s (before–after)", "inprocess_range", "text"),
-            Column("served ÷ in-process", "served_of_inprocess", "f2"),
-            Column("against the slower–faster in-process", "served_of_inprocess_range", "text"),
+            Column("in-process decode tok/s (range)", "inprocess_range", "text"),
+            Column("served ÷ in-process (95% interval)", "served_of_inprocess_stat", "stat2"),
+            Column("rounds", "n_rounds", "int"),
             Column("busy slots per decode call", "busy_slots", "f2"),
             Column("TTFT p50 ms", "ttft_s_p50", "f2"),
             Column("server prompt p50 ms", "server_prompt_s_p50", "f2"),
@@ -109,7 +114,11 @@ def explain_table(levels: list[dict], header: dict) -> Table:
                   "request's prefill and the drain left out), ÷ those spans. In-process: the "
                   "same file decoding as many sequences together through the bindings in this "
                   "process (same threads, ubatch, per-sequence context, flash attention auto, "
-                  "F16 KV cache, mmap), once before and once after the level. The server: "
+                  "F16 KV cache, mmap), before the level's first round and after each. Served "
+                  "÷ in-process: each round's served decode over the geometric mean of the "
+                  "in-process figures either side of it, the geometric mean over the rounds "
+                  "with a Student-t interval (the paired contrast of core/stats.py); none "
+                  "under 3 rounds. The server: "
                   f"{server_identity(header)}. TTFT outside the server's prompt time: each "
                   "request's TTFT minus its prompt_ms, the wait for a slot, HTTP and "
                   "streaming."])
@@ -154,7 +163,8 @@ def findings(levels: list[dict]) -> list[str]:
         return ["No request finished: nothing was measured."]
     closed = [row for lv, row in rows if lv.get("concurrency")]
     out = [_closed_finding(closed[0], row) for row in closed]
-    out += [_served_finding(row) for row in closed if row.get("served_of_inprocess")]
+    out += [_served_finding(row) for row in closed
+            if row.get("served_of_inprocess") and row.get("steady_tok_s")]
     for lv, row in rows:
         if lv.get("rate"):
             out.append(f"At {row['level']} offered (Poisson): {row['request_s']:.2f} requests/s "
@@ -179,10 +189,15 @@ def _served_finding(row: dict) -> str:
             if row.get("busy_slots") else
             f"; its decode calls produced {row['per_decode']:.2f} tokens on average"
             if row.get("per_decode") else "")
+    stat = row["served_of_inprocess_stat"]
+    ci = stat.get("median_ci95")
+    paired = (f" (95% interval {ci[0]:.2f}–{ci[1]:.2f}, {row['n_rounds']} rounds paired with "
+              f"in-process figures of {row['inprocess_range']} tok/s)" if ci else
+              f" ({row['n_rounds']} round(s), too few for an interval; in-process "
+              f"{row['inprocess_range']} tok/s)")
     return (f"At {row['level']} the server decoded {row['steady_tok_s']:.1f} tok/s over its "
             f"steady window ({row['steady_window_s']:.1f} s), {row['served_of_inprocess']:.2f}× "
-            f"the same file's in-process batched decode ({row['inprocess_range']} tok/s before "
-            f"and after: {row['served_of_inprocess_range']}×){busy}; of its TTFT p50 "
+            f"the same file's in-process batched decode{paired}{busy}; of its TTFT p50 "
             f"{row['ttft_s_p50']:.1f} ms, the server's prompt time was "
             f"{_or(row.get('server_prompt_s_p50'))} ms.")
 
@@ -237,7 +252,8 @@ def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, st
                         xytext=(4, 4), textcoords="offset points")
         ax.set_xlabel("output tok/s (all requests)")
         ax.set_ylabel(f"{name} ms (p50, bar to p90)")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room for the top point's label
+        ax.margins(x=0.12)
         ax.grid(alpha=0.3)
     fig.suptitle("Each level: what users wait for against what the server delivers")
     fig.tight_layout()
