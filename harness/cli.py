@@ -165,9 +165,14 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
 
 def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
     """Run a serving plan into out and print the report's path."""
+    from dataclasses import replace
+
     from .engine.env import physical_cores
+    from .engine.serverbuild import built_binary
     from .serving import run_serving, serving_run
 
+    if plan.server == "built" and not plan.endpoint:  # refused before the model is built
+        plan = replace(plan, server=str(built_binary()))
     path, n_vocab = _served_model(plan.model, plan.dtype, cache_dir)
     run = serving_run(plan, path, n_vocab, physical_cores())
     report = run_serving(run, out, sys.argv, say=lambda line: click.echo(line, err=True),

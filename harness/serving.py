@@ -25,7 +25,7 @@ from .engine.server import (
     server_version_line,
     start_server,
 )
-from .engine.serverbuild import built_binary, cached_build
+from .engine.serverbuild import cached_build
 from .report.serving import render_serving_page, write_serving_plots
 
 # Counters llama-server's /metrics keeps (deltas over a level mean something); the rest are
@@ -52,9 +52,8 @@ class ServingRun:
 def serving_run(plan, model_path: Path, n_vocab: int, physical_cores: int) -> ServingRun:
     """The run a serving plan (harness.servescenario.ServePlan) asks for, on a model file."""
     per_slot = plan.n_prompt + plan.n_generate + 16
-    where = str(built_binary()) if plan.server == "built" else plan.server
     server = None if plan.endpoint else ServerSpec(
-        where, model_path, plan.slots, ctx=plan.slots * per_slot,
+        plan.server, model_path, plan.slots, ctx=plan.slots * per_slot,
         threads=plan.threads or physical_cores)
     workload = Workload(plan.n_prompt, plan.n_generate, n_vocab, plan.n_requests,
                         plan.duration_s, plan.warmup, plan.prefix_cache, plan.timeout_s,
@@ -162,19 +161,19 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
     compare = yard is not None and level.concurrency and level.concurrency <= run.server.slots
     n_rounds = _n_rounds(run, level) if compare else 1
     inprocess = [yard.aggregate_tok_s(level.concurrency)] if compare else []
+    shares = [_share(run.workload.n_requests, n_rounds, r) for r in range(n_rounds)]
     raws = []
-    for r in range(n_rounds):  # in-process, served, in-process, served, …, in-process
-        w = replace(run.workload, n_requests=_share(run.workload.n_requests, n_rounds, r),
-                    duration_s=run.workload.duration_s / n_rounds,
+    for r, n in enumerate(shares):  # in-process, served, in-process, served, …, in-process
+        w = replace(run.workload, n_requests=n, duration_s=run.workload.duration_s / n_rounds,
                     warmup=run.workload.warmup if r == 0 else 0)
-        raws.append(asyncio.run(run_level(url, level, w, first=sum(
-            _share(run.workload.n_requests, n_rounds, q) for q in range(r)))))
+        raws.append(asyncio.run(run_level(url, level, w, first=sum(shares[:r]))))
         if compare:
             inprocess.append(yard.aggregate_tok_s(level.concurrency))
     records = [{"round": r} | rec for r, raw in enumerate(raws) for rec in raw["records"]]
     for rec in records:
         _write(f, {"type": "request", "level": level.key} | rec)
-    timings = timings_of(records)
+    round_timings = [timings_of(raw["records"]) for raw in raws]
+    timings = [t for each in round_timings for t in each]
     failed = len(records) - len(timings)
     wall_s = sum(raw["wall_s"] for raw in raws)
     record = {"type": "level", "level": level.key, "label": level.label,
@@ -184,7 +183,8 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
               "steady_decode": steady_decode(timings, level.concurrency)
               if level.concurrency else None,
               "inprocess_decode_tok_s": inprocess or None,
-              "rounds": _paired_rounds(raws, inprocess, level.concurrency) if compare else None,
+              "rounds": _paired_rounds(round_timings, inprocess, level.concurrency)
+              if compare else None,
               "counters": counter_deltas(raws[0]["metrics_before"], raws[-1]["metrics_after"]),
               "errors": sorted({r["error"] for r in records if r["error"]})[:5]}
     _write(f, record)
@@ -212,11 +212,12 @@ def _share(n: int, parts: int, i: int) -> int:
     return n // parts + (1 if i < n % parts else 0)
 
 
-def _paired_rounds(raws: list[dict], inprocess: list[float], concurrency: int) -> dict:
+def _paired_rounds(round_timings: list[list[RequestTiming]], inprocess: list[float],
+                   concurrency: int) -> dict:
     """Each round's served steady decode against the in-process figures either side of it
     (their geometric mean: the machine's drift over the round cancels to first order), and
     the ratio over the rounds with its interval (core/stats: a paired contrast)."""
-    served = [steady_decode(timings_of(raw["records"]), concurrency) for raw in raws]
+    served = [steady_decode(timings, concurrency) for timings in round_timings]
     per_round = [{"served_tok_s": s["tok_s"] if s else None,
                   "inprocess_tok_s": math.sqrt(inprocess[r] * inprocess[r + 1])}
                  for r, s in enumerate(served)]

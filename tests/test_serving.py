@@ -337,7 +337,7 @@ def test_a_difference_between_the_builds_is_said_with_the_measured_ratios():
 
 
 def test_rounds_pair_served_decode_with_the_in_process_figures_either_side():
-    from harness.serving import ServingRun, _n_rounds, _paired_rounds, _share
+    from harness.serving import ServingRun, _n_rounds, _paired_rounds, _share, timings_of
 
     def request(start: float, tok_s: float) -> dict:  # 1 + 8 tokens at tok_s
         chunks = [start + i / tok_s for i in range(9)]
@@ -345,9 +345,9 @@ def test_rounds_pair_served_decode_with_the_in_process_figures_either_side():
                 [1] * 9, "end_s": chunks[-1], "usage": {"completion_tokens": 9,
                                                         "prompt_tokens": 4}, "timings": {}}
 
-    raws = [{"records": [request(0.0, rate)]} for rate in (10.0, 20.0, 40.0)]
+    rounds = [timings_of([request(0.0, rate)]) for rate in (10.0, 20.0, 40.0)]
     # the machine doubles its speed each round; in-process figures either side follow it
-    out = _paired_rounds(raws, [9.0, 12.0, 24.0, 48.0], concurrency=1)
+    out = _paired_rounds(rounds, [9.0, 12.0, 24.0, 48.0], concurrency=1)
     assert [r["inprocess_tok_s"] for r in out["per_round"]] == pytest.approx(
         [(9 * 12) ** 0.5, (12 * 24) ** 0.5, (24 * 48) ** 0.5])
     ratios = [10 / (9 * 12) ** 0.5, 20 / (12 * 24) ** 0.5, 40 / (24 * 48) ** 0.5]

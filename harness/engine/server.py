@@ -135,14 +135,19 @@ def _system_info_line(text: str) -> str | None:
     return None
 
 
-def server_version_line(binary: str) -> str | None:
-    """The first line a llama-server binary prints for --version (its version and commit)."""
+def binary_version(binary: str) -> str | None:
+    """What a llama-server binary prints for --version (version, commit, compiler)."""
     try:
         done = subprocess.run([shutil.which(binary) or binary, "--version"], capture_output=True,
                               text=True, timeout=60)
     except (subprocess.SubprocessError, OSError):
         return None
-    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
+    return (done.stdout + done.stderr).strip()
+
+
+def server_version_line(binary: str) -> str | None:
+    """The line of --version that names the version and commit."""
+    lines = [ln for ln in (binary_version(binary) or "").splitlines() if ln.startswith("version")]
     return lines[0].strip() if lines else None
 
 

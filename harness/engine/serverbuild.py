@@ -27,7 +27,7 @@ import platformdirs
 from ..core.errors import EXIT_FAILURE, HarnessError
 from .build import write_text_atomically
 from .measure import now_iso
-from .server import binary_system_info
+from .server import binary_system_info, binary_version
 
 PACKAGE = "llama-cpp-python"
 BINARY = "llama-server"
@@ -111,7 +111,7 @@ def built_binary(directory: str | Path | None = None) -> Path:
     build = cached_build(directory=directory)
     if build is None:
         raise HarnessError(f"no llama-server built for {PACKAGE} {bindings_version()}",
-                           key="server", fix="run harness server build (about 6 min on 2 cores)")
+                           key="server", fix="run harness server build (about 5 min on 2 cores)")
     return Path(build.binary)
 
 
@@ -140,7 +140,8 @@ def build_server(progress: Callable[[int | None, str], None], jobs: int | None =
         os.replace(tmp, target)
         build = ServerBuild(str(target), version, _commit(tree / "vendor" / "llama.cpp"),
                             sha256, args, _compiler(Path(work) / "build"),
-                            _version_output(target), binary_system_info(str(target)), now_iso(),
+                            binary_version(str(target)) or "", binary_system_info(str(target)),
+                            now_iso(),
                             round(time.perf_counter() - started, 1))
     write_text_atomically(home / "build.json", json.dumps(asdict(build) | {"cached": False},
                                                           indent=2) + "\n")
@@ -166,7 +167,7 @@ def _download(version: str, work: Path, progress: Callable[[int | None, str], No
     archive = next(work.glob("*.tar.gz"), None)
     if archive is None:
         raise BuildError(f"pip download gave no source package of {PACKAGE} {version}",
-                           key="server", fix="check the package index (pip config list)")
+                         key="server", fix="check the package index (pip config list)")
     return archive
 
 
@@ -194,12 +195,12 @@ def _compile(source: Path, build: Path, args: list[str], jobs: int,
     if proc.returncode:
         said = [t for t in tail if "error" in t.lower()] or tail[-3:]
         raise BuildError(f"compiling {BINARY} failed (status {proc.returncode}): "
-                           + " | ".join(said)[-400:],
-                           key="server", fix="install a C++17 compiler and cmake ≥ 3.14")
+                         + " | ".join(said)[-400:],
+                         key="server", fix="install a C++17 compiler and cmake ≥ 3.14")
     found = next((p for p in build.rglob(BINARY) if p.is_file()), None)
     if found is None:
         raise BuildError(f"the build finished without a {BINARY}", key="server",
-                           fix=f"see {build}")
+                         fix=f"see {build}")
     return found
 
 
@@ -209,11 +210,11 @@ def _run(cmd: list[str], what: str, cwd: Path) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
     except FileNotFoundError:
         raise BuildError(f"{what}: {cmd[0]} is not installed", key="server",
-                           fix=f"install {cmd[0]}") from None
+                         fix=f"install {cmd[0]}") from None
     if done.returncode:
         last = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise BuildError(f"{what} failed: {' '.join(last)[-400:]}", key="server",
-                           fix="check the network to the package index and the build tools")
+                         fix="check the network to the package index and the build tools")
     return done.stdout
 
 
@@ -230,9 +231,3 @@ def _compiler(build: Path) -> str:
     cache = (build / "CMakeCache.txt").read_text(errors="replace")
     m = re.search(r"^CMAKE_CXX_COMPILER:\w+=(.*)$", cache, re.M)
     return m.group(1) if m else "unknown"
-
-
-def _version_output(binary: Path) -> str:
-    """What `llama-server --version` says (its version, commit and compiler)."""
-    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    return (done.stdout + done.stderr).strip()
