@@ -111,7 +111,6 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     kept = finished_levels(out_dir / "results.jsonl") if resume else []
     done = {lv["level"] for lv in kept if lv["type"] == "level"}
     server = start_server(run.server) if run.server else None  # nothing written before
-    levels = [lv for lv in kept if lv["type"] == "level"]
     try:
         yard = _yardstick(run) if server else None
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,9 +123,10 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
                     if level.key in done:
                         say(f"{level.label}: kept from the earlier run")
                         continue
-                    levels.append(_run_one(run, level, url, server, f, say, yard))
-            finally:
-                _write_page(out_dir, levels)
+                    _run_one(run, level, url, server, f, say, yard)
+            finally:  # from the records written, so a level whose server died after it shows
+                f.flush()
+                rerender_serving(out_dir)
                 if yard:
                     yard.close()
     finally:

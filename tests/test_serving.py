@@ -179,7 +179,7 @@ def test_a_real_server_under_closed_and_open_loop_load(served):
 def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path):
     before = _xserver_pids()
     result = run_cli("serve", "tiny-llama", "--concurrency", "1,2", "--rate", "40",
-                     "--requests", "6", "--prompt", "8", "--generate", "4", "--slots", "2",
+                     "--requests", "6", "--prompt", "8", "--generate", "64", "--slots", "2",
                      "--threads", "1", "--slo-ttft-ms", "1000", "--out", str(tmp_path / "s"))
     assert result.exit_code == 0, result.stderr
     lines = [json.loads(x) for x in (tmp_path / "s" / "results.jsonl").read_text().splitlines()]

@@ -36,12 +36,12 @@ def level_row(level: dict) -> dict:
             "steady_window_s": steady["window_s"] if steady else None,
             "inprocess_tok_s": statistics.mean(ip) if ip else None,
             "inprocess_range": f"{min(ip):.1f}–{max(ip):.1f}" if ip else None}
-    paired = (level.get("rounds") or {}).get("served_of_inprocess")
-    if paired:  # rounds alternating served and in-process: the paired estimate
-        row["served_of_inprocess"] = paired["ratio"]
-        row["served_of_inprocess_stat"] = paired
-        row["n_rounds"] = paired["n"]
-    elif steady and ip:  # one figure before and one after the level: no interval
+    if "rounds" in level:  # rounds alternating served and in-process: the paired estimate
+        if paired := (level["rounds"] or {}).get("served_of_inprocess"):
+            row["served_of_inprocess"] = paired["ratio"]
+            row["served_of_inprocess_stat"] = paired
+            row["n_rounds"] = paired["n"]
+    elif steady and ip:  # a run before rounds: one figure before and one after the level
         row["served_of_inprocess"] = steady["tok_s"] / statistics.mean(ip)
         row["served_of_inprocess_stat"] = {"median": row["served_of_inprocess"]}
         row["n_rounds"] = 1
