@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def ctrl_c_reaches_child() -> None:
+    """preexec_fn: SIGINT as a terminal delivers it. A shell starts a background job (CI
+    launched with `&` or nohup) with SIGINT ignored, Python then installs no KeyboardInterrupt
+    handler, and the children inherit that; a test of Ctrl-C must undo it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, assert_user_error
+from conftest import ROOT, assert_user_error, ctrl_c_reaches_child
 
 from harness import fleet, runner
 from harness.core.errors import HarnessError
@@ -215,7 +215,7 @@ def test_cluster_case(case, tmp_path):
     # -n: only loopback; --pid --fork --mount-proc: every Ray process dies with the script
     proc = subprocess.run(["unshare", "-n", "--pid", "--fork", "--mount-proc", "sh", "-c",
                            script], capture_output=True,
-                          text=True, timeout=240, cwd=ROOT,
+                          text=True, timeout=240, cwd=ROOT, preexec_fn=ctrl_c_reaches_child,
                           env=os.environ | {"HARNESS_PROBE_MIB": "1",
                                             "RAY_USAGE_STATS_ENABLED": "0"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

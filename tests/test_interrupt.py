@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, ctrl_c_reaches_child
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "long_tiny.yaml"
 
@@ -27,7 +27,7 @@ def test_interrupt_stops_within_a_second_and_resume_completes(tmp_path, sig):
     cmd = [sys.executable, "-m", "harness", "run", str(SCENARIO), "--out", str(out)]
     env = os.environ | {"HARNESS_PROBE_MIB": "8"}  # the ceilings are not under test here
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=ctrl_c_reaches_child)
     results = out / "results.jsonl"
     deadline = time.monotonic() + 60
     while _count(results, "repetition") < 2 and time.monotonic() < deadline:
