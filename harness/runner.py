@@ -10,15 +10,7 @@ from itertools import groupby
 from pathlib import Path
 
 from . import __version__
-from .core.costs import (
-    active_expert_fraction,
-    decode_n_bytes_by_type,
-    decode_weight_n_bytes,
-    expert_n_bytes,
-    kv_n_bytes_per_token,
-    matmul_n_params_by_type,
-    weights_n_bytes,
-)
+from .core.costs import kv_n_bytes_per_token, model_costs
 from .core.dtypes import DTYPES
 from .core.errors import HarnessError, MeasurementError
 from .core.rounds import contrast_pairs, group_by_memory, round_order, stop_reason, widest_ci
@@ -557,7 +549,6 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
     info = model.info()
     table = tensor_table(path)
     spec = _spec_of(ref)
-    active = active_expert_fraction(spec)
     types: dict[str, int] = {}
     type_params: dict[str, int] = {}
     for t in table:
@@ -567,12 +558,7 @@ def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,
         "type": "model", "key": key, "model": ref.label, "dtype": ref.dtype, "path": str(path),
         "file_n_bytes": path.stat().st_size, "sha256": file_sha256(path),
         "n_params": info.n_params, "model_n_bytes": info.n_bytes, "description": info.description,
-        "weights_n_bytes": weights_n_bytes(table),
-        "decode_weight_n_bytes": decode_weight_n_bytes(table, active),
-        "decode_type_n_bytes": decode_n_bytes_by_type(table, active),
-        "matmul_type_n_params": matmul_n_params_by_type(table, active),
-        "expert_n_bytes": expert_n_bytes(table),
-        "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec),
+        **model_costs(table, spec),
         "tensor_type_n_bytes": types, "tensor_type_n_params": type_params,
         "spec": spec.to_dict(), "huge_mapped_n_bytes": huge_n_bytes,
         "mmap": model.use_mmap,

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import __version__
-from .core.errors import MeasurementError
+from .analysis.serving import level_roofline
+from .core.costs import model_costs
+from .core.errors import HarnessError, MeasurementError
 from .core.serving import RequestTiming, level_summary, steady_decode
 from .core.stats import ratio_summary
 from .engine.build import write_text_atomically
@@ -111,38 +113,99 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     kept = finished_levels(out_dir / "results.jsonl") if resume else []
     done = {lv["level"] for lv in kept if lv["type"] == "level"}
     server = start_server(run.server) if run.server else None  # nothing written before
+    yard = roof = None
     try:
         yard = _yardstick(run) if server else None
+        costs = _costs(run) if server else None
+        roof = _Ceilings(costs, run.server.threads, kept) if costs else None
         out_dir.mkdir(parents=True, exist_ok=True)
         url = server.url if server else run.endpoint.rstrip("/")
         with (out_dir / "results.jsonl").open("w") as f:
-            for record in kept or [_header(run, argv, url, server)]:
+            fresh = [_header(run, argv, url, server)] + ([costs] if costs else [])
+            for record in kept or fresh:
                 _write(f, record)
             try:
                 for level in run.levels:
                     if level.key in done:
                         say(f"{level.label}: kept from the earlier run")
                         continue
-                    _run_one(run, level, url, server, f, say, yard)
+                    _run_one(run, level, url, server, f, say, yard, roof)
             finally:  # from the records written, so a level whose server died after it shows
                 f.flush()
                 rerender_serving(out_dir)
-                if yard:
-                    yard.close()
     finally:
+        for held in (yard, roof):
+            if held:
+                held.close()
         if server:
             server.stop()
     return out_dir / "report.md"
 
 
 def finished_levels(results: Path) -> list[dict]:
-    """An earlier run's header and the records of every level it finished (a level's requests
-    come before its level record: those of a level cut short are dropped)."""
+    """An earlier run's header, served model, ceiling probes (each measured the machine at its
+    time) and the records of every level it finished (a level's requests come before its level
+    record: those of a level cut short are dropped)."""
     if not results.exists():
         return []
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     finished = {r["level"] for r in records if r.get("type") == "level"}
-    return [r for r in records if r.get("type") == "header" or r.get("level") in finished]
+    return [r for r in records if r.get("type") in ("header", "model", "probe")
+            or r.get("level") in finished]
+
+
+def _costs(run: ServingRun) -> dict:
+    """The served file's bytes and FLOPs by tensor type (core/costs.model_costs) and its spec,
+    for the roofline; a file whose architecture the harness cannot read keeps the reason."""
+    from .weights.gguf_inspect import spec_from_gguf, tensor_table
+
+    path = Path(run.server.model)
+    try:
+        spec = spec_from_gguf(path)
+        return {"type": "model", "path": str(path), "spec": spec.to_dict(),
+                **model_costs(tensor_table(path), spec)}
+    except (HarnessError, OSError, ValueError) as exc:
+        return {"type": "model", "path": str(path), "error": str(exc)}
+
+
+class _Ceilings:
+    """ggml's streaming and compute ceilings for the served model's types, probed at the
+    server's threads while it is idle: before every round of a level and after its last.
+    Records carry a sequence number, so a round's bound uses the probes either side of it."""
+
+    def __init__(self, costs: dict, threads: int, kept: list[dict]) -> None:
+        self.threads, self.error = threads, costs.get("error")
+        self.dtypes = sorted(set(costs.get("decode_type_n_bytes") or {})
+                             | set(costs.get("matmul_type_n_params") or {}))
+        self.seq = max((r["seq"] for r in kept if "seq" in r), default=0)
+        self.prober = None
+        if self.error is None:
+            try:
+                from .engine.probe import Prober
+
+                self.prober = Prober(self.dtypes)
+            except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def probe(self, when: str) -> dict:
+        """One probe record; a probe that fails keeps its reason, never a guess."""
+        record = {"type": "probe", "seq": self.next_seq(), "when": when, "at": now_iso(),
+                  "threads": [self.threads]}
+        try:
+            if self.prober is None:
+                raise RuntimeError(self.error)
+            return record | {"result": self.prober.beside(self.threads, self.dtypes,
+                                                          ("stream", "compute"))}
+        except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
+            return record | {"error": f"{type(exc).__name__}: {exc}"}
+
+    def close(self) -> None:
+        if self.prober is not None:
+            self.prober.close()
 
 
 def _yardstick(run: ServingRun):
@@ -157,18 +220,20 @@ def _yardstick(run: ServingRun):
 
 
 def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None, f,
-             say, yard=None) -> dict:
+             say, yard=None, roof: _Ceilings | None = None) -> dict:
     compare = yard is not None and level.concurrency and level.concurrency <= run.server.slots
     n_rounds = _n_rounds(run, level) if compare else 1
     inprocess = [yard.aggregate_tok_s(level.concurrency)] if compare else []
     shares = [_share(run.workload.n_requests, n_rounds, r) for r in range(n_rounds)]
-    raws = []
-    for r, n in enumerate(shares):  # in-process, served, in-process, served, …, in-process
+    raws, probe_seqs = [], []
+    for r, n in enumerate(shares):  # in-process, probe, served, in-process, probe, …
+        probe_seqs += [_probe(roof, f, f"{level.key} round {r}")] if roof else []
         w = replace(run.workload, n_requests=n, duration_s=run.workload.duration_s / n_rounds,
                     warmup=run.workload.warmup if r == 0 else 0)
         raws.append(asyncio.run(run_level(url, level, w, first=sum(shares[:r]))))
         if compare:
             inprocess.append(yard.aggregate_tok_s(level.concurrency))
+    probe_seqs += [_probe(roof, f, f"{level.key} after")] if roof else []
     records = [{"round": r} | rec for r, raw in enumerate(raws) for rec in raw["records"]]
     for rec in records:
         _write(f, {"type": "request", "level": level.key} | rec)
@@ -176,17 +241,20 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
     timings = [t for each in round_timings for t in each]
     failed = len(records) - len(timings)
     wall_s = sum(raw["wall_s"] for raw in raws)
+    decoding = (min(level.concurrency, run.server.slots) if run.server and level.concurrency
+                else level.concurrency)  # beyond the slots, the rest wait: no more decode
     record = {"type": "level", "level": level.key, "label": level.label,
               "concurrency": level.concurrency, "rate": level.rate,
               "summary": level_summary(timings, failed, wall_s, run.slo),
               "server_prompt_ms": _server_ms(records, "prompt_ms"),
-              "steady_decode": steady_decode(timings, level.concurrency)
-              if level.concurrency else None,
+              "steady_decode": steady_decode(timings, decoding) if level.concurrency else None,
               "inprocess_decode_tok_s": inprocess or None,
               "rounds": _paired_rounds(round_timings, inprocess, level.concurrency)
               if compare else None,
               "counters": counter_deltas(raws[0]["metrics_before"], raws[-1]["metrics_after"]),
               "errors": sorted({r["error"] for r in records if r["error"]})[:5]}
+    if roof:  # the probes either side of each round, and the level's place among them
+        record |= {"probe_seqs": probe_seqs, "seq": roof.next_seq()}
     _write(f, record)
     say(f"{level.label}: {len(timings)} requests, {failed} failed "
         f"[{wall_s:.1f} s{f', {len(raws)} rounds' if len(raws) > 1 else ''}]")
@@ -199,6 +267,13 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
                                f"{'; '.join(record['errors'])}", key="server",
                                fix="check the server and the endpoint")
     return record
+
+
+def _probe(roof: _Ceilings, f, when: str) -> int:
+    """Probe the ceilings now, write the record, and return its sequence number."""
+    record = roof.probe(when)
+    _write(f, record)
+    return record["seq"]
 
 
 def _n_rounds(run: ServingRun, level: Level) -> int:
@@ -288,7 +363,21 @@ def load_serving_run(run_dir: Path) -> tuple[dict, list[dict]] | None:
     if header.get("type") != "header" or "workload" not in header:
         return None
     records = finished_levels(results)
-    return header, [r for r in records if r["type"] == "level"]
+    return header, with_roofline(header, records)
+
+
+def with_roofline(header: dict, records: list[dict]) -> list[dict]:
+    """The level records, each with its roofline (analysis/serving.level_roofline) where the
+    run probed the ceilings of a model it served."""
+    model = next((r for r in records if r["type"] == "model"), None)
+    probes = [r for r in records if r["type"] == "probe"]
+    server = header.get("server") or {}
+    levels = [r for r in records if r["type"] == "level"]
+    if not model or "slots" not in server:
+        return levels
+    return [lv | {"roofline": level_roofline(lv, model, probes, header["workload"],
+                                             server["threads"], server["slots"])}
+            for lv in levels]
 
 
 def rerender_serving(run_dir: Path) -> Path:

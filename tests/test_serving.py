@@ -20,6 +20,7 @@ from harness.core.serving import (
 )
 from harness.engine.http import sse_payloads, stream_completion
 from harness.engine.load import Level, Workload, run_level
+from harness.serving import load_serving_run
 
 pytest.importorskip("xllamacpp")
 
@@ -202,6 +203,21 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     assert "Why: served decode against in-process decode" in page
     assert (tmp_path / "s" / "latency_vs_throughput.png").exists()
     assert "latency_by_concurrency.png" in page
+    # ggml's ceilings for the served file's types, probed before every round of a level and
+    # after its last, set a roofline bound beside each closed level, round by round
+    rounds = [f"c{c} round {r}" for c in (1, 2) for r in range(3)]
+    assert [x["when"] for x in lines if x["type"] == "probe"] == [
+        *rounds[:3], "c1 after", *rounds[3:], "c2 after", "r40 round 0", "r40 after"]
+    assert all(x["result"]["threads"]["1"]["ggml"]["f32"]["stream_gb_s"] > 0
+               for x in lines if x["type"] == "probe")
+    seqs = [x["seq"] for x in lines if "seq" in x]
+    assert sorted(seqs) == list(range(1, 14))  # 10 probes and 3 levels, in the order run
+    assert [len(x["probe_seqs"]) for x in levels] == [4, 4, 2]
+    assert all(x["roofline"]["served_share_stat"]["n"] == 3
+               for x in load_serving_run(tmp_path / "s")[1] if x["concurrency"])
+    assert "Why: decode against the roofline of this machine" in page
+    assert "Decode is bounded by" in page and "Prefill is bound by" in page
+    assert "decode_against_bound.png" in page
     (tmp_path / "s" / "report.md").unlink()
     assert run_cli("report", str(tmp_path / "s")).exit_code == 0
     assert (tmp_path / "s" / "report.md").read_text() == page  # re-rendered from the records
@@ -314,6 +330,11 @@ def test_a_serving_scenario_runs_and_resumes_keeping_finished_levels(run_cli, tm
     assert [r["level"] for r in records if r["type"] == "level"] == ["c1", "c2"]
     assert sum(r["type"] == "request" and r["level"] == "c2" for r in records) == 2
     assert sum(r["type"] == "header" for r in records) == 1
+    # the served model's costs and the earlier probes are kept; c2 is probed again before it
+    assert sum(r["type"] == "model" for r in records) == 1
+    assert [r["when"] for r in records if r["type"] == "probe"] == [
+        "c1 round 0", "c1 after", "c2 round 0", "c2 after", "c2 round 0", "c2 after"]
+    assert "Decode is bounded by" in (out / "report.md").read_text()
 
 
 def test_a_difference_between_the_builds_is_said_with_the_measured_ratios():

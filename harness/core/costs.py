@@ -213,6 +213,62 @@ def attention_flops(spec: ModelSpec, n_prompt: int, n_past: int = 0) -> float:
     return 4 * spec.num_hidden_layers * spec.q_dim * pairs
 
 
+def model_costs(table: list[TensorEntry], spec: ModelSpec) -> dict:
+    """What a model's yardsticks need from its tensor table: the bytes of its weights and of
+    what one decode token reads (in all and per type), the matrix parameters a prompt token is
+    multiplied by per type, the routed experts' bytes, and the KV bytes a token adds."""
+    active = active_expert_fraction(spec)
+    return {"weights_n_bytes": weights_n_bytes(table),
+            "decode_weight_n_bytes": decode_weight_n_bytes(table, active),
+            "decode_type_n_bytes": decode_n_bytes_by_type(table, active),
+            "matmul_type_n_params": matmul_n_params_by_type(table, active),
+            "expert_n_bytes": expert_n_bytes(table),
+            "kv_n_bytes_per_token_f16": kv_n_bytes_per_token(spec)}
+
+
+def decode_flops_per_token(spec: ModelSpec, n_context: float) -> float:
+    """FLOPs of one decode token: 2 per weight its matrices multiply, its row of logits, and
+    attention over n_context cached positions (QK^T and AV, 2 x q_dim each per position and
+    layer; Kaplan et al. 2020, table 1)."""
+    return (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size * spec.vocab_size
+            + 4 * spec.num_hidden_layers * spec.q_dim * n_context)
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """The roofline of one decode step of n_sequences tokens (Williams, Waterman and Patterson,
+    "Roofline", CACM 2009): it takes at least its bytes over the streaming ceiling and at least
+    its FLOPs over the compute ceiling, so at most n_sequences ÷ the larger of the two."""
+
+    n_sequences: float
+    memory_s: float  # (weights + n_sequences x KV) ÷ bandwidth
+    compute_s: float  # n_sequences x FLOPs per token ÷ compute peak
+    ridge_sequences: float | None  # where the two meet: beyond it compute bounds the step
+
+    @property
+    def step_s(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def tok_s(self) -> float:
+        return self.n_sequences / self.step_s
+
+    @property
+    def limiter(self) -> str:
+        return "memory bandwidth" if self.memory_s >= self.compute_s else "compute"
+
+
+def decode_bound(weight_n_bytes: float, kv_n_bytes: float, flops_per_token: float,
+                 n_sequences: float, stream_gb_s: float, compute_gflop_s: float) -> DecodeBound:
+    """The roofline of a decode step reading weight_n_bytes once and kv_n_bytes per sequence."""
+    bw, peak = stream_gb_s * 1e9, compute_gflop_s * 1e9
+    # memory time = compute time: (W + B kv) / bw = B f / peak
+    denominator = flops_per_token / peak - kv_n_bytes / bw
+    return DecodeBound(n_sequences, (weight_n_bytes + n_sequences * kv_n_bytes) / bw,
+                       n_sequences * flops_per_token / peak,
+                       weight_n_bytes / bw / denominator if denominator > 0 else None)
+
+
 def mean_decode_context(n_prompt: int, n_gen: int) -> float:
     """Average KV cache cells a decode step reads: the step at position p reads p + 1 cells
     (its own K and V included), so steps at n_prompt .. n_prompt + n_gen - 1 average

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..analysis.ceilings import combined_ceiling, span
 from ..core.costs import (
+    decode_bound,
+    decode_flops_per_token,
     expert_union_fraction,
     kv_n_bytes_per_token,
-    matmul_params_per_token,
     mean_decode_context,
     step_weight_n_bytes,
 )
@@ -56,21 +57,14 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
                           "stream_gb_s")["value"]
     peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m), m["threads"],
                             "compute_gflop_s")["value"]
-    # One step multiplies every weight matrix by B vectors (2 FLOPs per weight per sequence,
-    # plus each sequence's row of logits) and reads each sequence's own KV cache, attending
-    # over it (QK^T and AV: 4 x layers x q_dim FLOPs per cached position).
+    # One step multiplies every weight matrix by B vectors and reads each sequence's own KV
+    # cache, attending over it (core/costs.decode_flops_per_token, decode_bound).
     context = mean_decode_context(m["n_prompt"], m["n_gen"])
     kv_n_bytes = kv_n_bytes_per_token(spec) * context
-    flops_per_token = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size * spec.vocab_size
-                       + 4 * spec.num_hidden_layers * spec.q_dim * context)
-    bound = ridge = None
-    if bw and peak:
-        step_s = max((weight_n_bytes + b * kv_n_bytes) / (bw * 1e9),
-                     b * flops_per_token / (peak * 1e9))
-        bound = b / step_s
-        # memory time = compute time: (W + B kv) / bw = B f / peak
-        denominator = flops_per_token / peak - kv_n_bytes / bw
-        ridge = weight_n_bytes / bw / denominator if denominator > 0 else None
+    roof = (decode_bound(weight_n_bytes, kv_n_bytes, decode_flops_per_token(spec, context), b,
+                         bw, peak) if bw and peak else None)
+    bound = roof.tok_s if roof else None
+    ridge = roof.ridge_sequences if roof else None
     agg = median_of(m["decode_tok_s"])
     return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "parallel": b,
             "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")

@@ -78,7 +78,8 @@ def ceiling_share_notes(shares: list[tuple[float | None, float | None, bool]]) -
 
 _FORMATS = {
     "int": lambda v: f"{v:,}",
-    "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}", "f3": lambda v: f"{v:,.3f}",
+    "f0": lambda v: f"{v:,.0f}", "f1": lambda v: f"{v:,.1f}", "f2": lambda v: f"{v:,.2f}",
+    "f3": lambda v: f"{v:,.3f}",
     "pct": lambda v: f"{v:.0%}", "pct1": lambda v: f"{v:.1%}", "spct": lambda v: f"{v:+.1%}",
     "x": lambda v: f"{v:.2f}×",
     "gib": lambda v: f"{v / GIB:.2f}", "gib3": lambda v: f"{v / GIB:.3f}",

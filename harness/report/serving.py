@@ -6,7 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..render.tabular import Column, Table, markdown_table
+from ..core.stats import center
+from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
 
 METRIC_NOTE = (
     "TTFT: sending a request to its first token's chunk. TPOT: (last chunk − first chunk) ÷ "
@@ -124,6 +125,268 @@ def explain_table(levels: list[dict], header: dict) -> Table:
                   "streaming."])
 
 
+def roofline_row(level: dict) -> dict | None:
+    """A closed level's decode bound beside what was served and decoded in-process."""
+    roof = level.get("roofline")
+    if not roof or not roof.get("bound_tok_s"):
+        return None
+    steady = level.get("steady_decode")
+    return {"level": level["label"], "in_flight": level["concurrency"],
+            "sequences": roof["n_sequences"],
+            "weights_mb": roof["weight_n_bytes"] / 1e6,
+            "kv_mb": roof["n_sequences"] * roof["kv_n_bytes"] / 1e6,
+            "gflop": roof["n_sequences"] * roof["flops_per_token"] / 1e9,
+            "stream_gb_s": roof["stream"]["value"], "compute_gflop_s": roof["compute"]["value"],
+            "memory_ms": roof["memory_s"] * 1000, "compute_ms": roof["compute_s"] * 1000,
+            "limiter": roof["limiter"], "bound_tok_s": roof["bound_tok_s"],
+            "inprocess_tok_s": (statistics.geometric_mean(level["inprocess_decode_tok_s"])
+                                if level.get("inprocess_decode_tok_s") else None),
+            "served_tok_s": steady["tok_s"] if steady else None,
+            "served_share": (roof["served_share_stat"] or {"median": roof["served_share"],
+                                                           "n": 1})
+            if roof["served_share"] else None,
+            "inprocess_share": (roof.get("inprocess_share_stat")
+                                or {"median": roof["inprocess_share"], "n": 1})
+            if roof["inprocess_share"] else None,
+            "flags": (roof["above"], roof.get("inprocess_above")),
+            "flag": " ".join(f"⚠ {who} above the bound" for who, flagged in
+                             (("served", roof["above"]),
+                              ("in-process", roof.get("inprocess_above"))) if flagged)}
+
+
+def roofline_table(levels: list[dict]) -> Table | None:
+    rows = [r for r in map(roofline_row, levels) if r]
+    if not rows:
+        return None
+    cols = [Column("load", "level"), Column("sequences decoding", "sequences", "int"),
+            Column("weights read per step MB", "weights_mb", "f1"),
+            Column("KV cache read per step MB", "kv_mb", "f1"),
+            Column("GFLOP per step", "gflop", "f2"),
+            Column("streaming ceiling GB/s", "stream_gb_s", "f1"),
+            Column("compute ceiling GFLOP/s", "compute_gflop_s", "f0"),
+            Column("step ≥ (memory) ms", "memory_ms", "f1"),
+            Column("step ≥ (compute) ms", "compute_ms", "f1"), Column("bound by", "limiter"),
+            Column("roofline bound tok/s", "bound_tok_s", "f1"),
+            Column("served decode tok/s", "served_tok_s", "f1"),
+            Column("served share of bound (95% interval)", "served_share", "pctci"),
+            Column("in-process share of bound (95% interval)", "inprocess_share", "pctci"),
+            Column("", "flag")]
+    shares = [(center(r[key]), None, r["flags"][i]) for r in rows
+              for i, key in enumerate(("served_share", "inprocess_share")) if r[key]]
+    return Table("roofline", "Why: decode against the roofline of this machine", cols, rows,
+                 [ROOFLINE_NOTE, *ceiling_share_notes(shares)])
+
+
+ROOFLINE_NOTE = (
+    "A decode step of B sequences reads the weights once (a mixture of experts: the expected "
+    "union of the B tokens' experts) and each sequence's KV cache (F16, at the mean context of "
+    "a request's decode), and multiplies every weight by B vectors (2 FLOPs per weight, each "
+    "token's logits, attention over its context: Kaplan et al. 2020). It takes at least its "
+    "bytes ÷ the streaming ceiling and at least its FLOPs ÷ the compute ceiling; the bound is "
+    "B ÷ the larger. The ceilings are ggml's own matrix-vector and matrix-matrix kernels for "
+    "the model's tensor types (combined by their share of the bytes or FLOPs), probed at the "
+    "server's threads while it was idle, before each round of the level and after its last; "
+    "the table's ceilings and bound pool the level's probes (the median of their passes). "
+    "Shares of the bound: each round's served decode (and the in-process figures either side "
+    "of it) over the bound from the probes just before and just after that round, the "
+    "geometric mean over the rounds with a Student-t interval (core/stats.py); a level of one "
+    "round: its steady window over the level's bound.")
+
+
+def roofline_findings(levels: list[dict], slots: int | None) -> list[str]:
+    """Which resource bounds decode and prefill, where each user's speed falls off, and what
+    the slots hold back: every clause from the levels' rooflines."""
+    closed = [(lv, lv["roofline"]) for lv in levels
+              if (lv.get("roofline") or {}).get("bound_tok_s")
+              and (not slots or lv["concurrency"] <= slots)]
+    out = []
+    if closed:
+        out.append(_decode_bound_finding(closed))
+        if len(closed) >= 2:
+            out.append(_per_user_finding(closed))
+    prefill = next((r["prefill"] for _, r in closed if r.get("prefill")), None)
+    if prefill:
+        out.append(_prefill_finding(prefill))
+    if ttft := _prompt_sharing_finding(levels, slots):
+        out.append(ttft)
+    missing = next((r["missing"] for lv in levels if (r := lv.get("roofline"))
+                    and r.get("missing")), None)
+    if missing:
+        out.append(f"No roofline bound: {missing}.")
+    if slots:
+        out += _slots_findings(levels, slots)
+    return out
+
+
+def _decode_bound_finding(closed: list[tuple[dict, dict]]) -> str:
+    lv, r = closed[-1]
+    limiters = sorted({x["limiter"] for _, x in closed})
+    head = (f"Decode is bounded by {limiters[0]} at every closed level within the slots"
+            if len(limiters) == 1 else "Decode is bounded by " + "; ".join(
+                f"{x['limiter']} at {y['label']}" for y, x in closed))
+    text = (f"{head}: at {lv['label']} a step must read {_size(r['weight_n_bytes'])} of "
+            f"weights and {r['n_sequences']} × {_size(r['kv_n_bytes'])} of KV cache, at least "
+            f"{_msec(r['memory_s'])} at the {r['stream']['value']:.1f} GB/s ggml streams this "
+            f"model's types, and compute {r['n_sequences']} × {_flop(r['flops_per_token'])}, "
+            f"at least {_msec(r['compute_s'])} at {r['compute']['value']:.0f} GFLOP/s; the "
+            f"bound is {r['bound_tok_s']:.1f} tok/s")
+    if r["served_share"] is not None:
+        text += (f", and the server decoded {lv['steady_decode']['tok_s']:.1f} "
+                 f"({_share(r)}")
+        text += (f"; in-process {r['inprocess_share']:.0%})" if r["inprocess_share"] else ")")
+    above = [(y["label"], x) for y, x in closed if x["above"]]
+    if above:
+        text += (". Above the bound beyond its uncertainty at "
+                 + ", ".join(f"{label} (the level's probes ranged {_span(x)})"
+                             for label, x in above)
+                 + ": the ceilings were probed between the rounds, not during them, and this "
+                 "machine's speed swings within a minute, so the bound is a yardstick here, not "
+                 "a limit")
+    return text + "." + _ridge_clause(closed)
+
+
+def _share(roof: dict) -> str:
+    """A share of the bound with its round-by-round interval where there is one."""
+    ci = (roof.get("served_share_stat") or {}).get("median_ci95")
+    return (f"{roof['served_share']:.0%} of it, 95% interval {ci[0]:.0%}–{ci[1]:.0%}" if ci
+            else f"{roof['served_share']:.0%} of it")
+
+
+def _span(roof: dict) -> str:
+    lo, hi = roof.get("ceiling_range") or (None, None)
+    unit = "GB/s" if roof["limiter"] == "memory bandwidth" else "GFLOP/s"
+    return f"{lo:.1f}–{hi:.1f} {unit}" if lo else "unknown: one probe"
+
+
+def _ridge_clause(closed: list[tuple[dict, dict]]) -> str:
+    ridge = closed[-1][1]["ridge_sequences"]
+    top = max(x["n_sequences"] for _, x in closed)
+    if not ridge:
+        return ""
+    where = ("inside the range run" if ridge <= top else
+             f"beyond the {top} decoded together here: estimated, not measured")
+    return (f" The two floors meet at about {ridge:.1f} sequences ({where}): below it, another "
+            "sequence adds only its KV cache reads to a step; above it, its FLOPs.")
+
+
+def _per_user_finding(closed: list[tuple[dict, dict]]) -> str:
+    """Each user's bound against one user's, and how the measured share of the bound moved:
+    shares are each against the probes beside their own level, so drift between levels
+    cancels to first order."""
+    (lv1, r1), (lvn, rn) = closed[0], closed[-1]
+    why = ("each sequence adds only its KV cache reads while memory bandwidth binds"
+           if rn["limiter"] == "memory bandwidth" else "compute binds: each sequence adds its "
+           "FLOPs")
+    text = (f"Per user, the bound at {rn['n_sequences']} sequences is "
+            f"{rn['per_user_of_solo']:.1%} of one sequence's with the same ceilings ({why})")
+    s1, sn = r1["served_share"], rn["served_share"]
+    if s1 and sn:
+        text += (f"; the server's share of its bound went from {s1:.0%} at {lv1['label']} to "
+                 f"{sn:.0%} at {lvn['label']}")
+        if r1["inprocess_share"] and rn["inprocess_share"]:
+            text += (f" (in-process {r1['inprocess_share']:.0%} to "
+                     f"{rn['inprocess_share']:.0%})")
+        text += ", each against the probes beside its own level"
+        if sn < 0.95 * s1:
+            text += (", so each user lost more speed than the bound's bytes and FLOPs account "
+                     "for: the rest is in costs the roofline leaves out")
+            i1, i_n = r1["inprocess_share"], rn["inprocess_share"]
+            if i1 and i_n and abs(i_n / i1 - sn / s1) < 0.1:
+                text += (", and as much of it in-process as served: llama.cpp's batched decode "
+                         "falls short of the bound, not the serving")
+    return text + "."
+
+
+def _size(n_bytes: float) -> str:
+    return (f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{_sig(n_bytes / 1e6)} MB"
+            if n_bytes >= 1e6 else f"{_sig(n_bytes / 1e3)} kB")
+
+
+def _flop(flops: float) -> str:
+    return f"{_sig(flops / 1e9)} GFLOP" if flops >= 1e8 else f"{_sig(flops / 1e6)} MFLOP"
+
+
+def _msec(seconds: float) -> str:
+    return f"{_sig(seconds * 1000)} ms"
+
+
+def _sig(value: float) -> str:
+    """Three significant digits, without exponents: 1,823, 117, 61.4, 1.00, 0.0472."""
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
+def _tpot_s(level: dict) -> float | None:
+    tpot = level["summary"].get("tpot_s")
+    return tpot["p50"] if tpot else None
+
+
+def _prefill_finding(p: dict) -> str:
+    bound_by = "compute" if p["compute_s"] >= p["memory_s"] else "memory bandwidth"
+    text = (f"Prefill is bound by {bound_by}: its {_flop(p['flops'])} take "
+            f"{p['compute_s'] / p['memory_s']:.1f}× as long at ggml's compute ceiling as "
+            f"reading the weights once at its streaming ceiling" if bound_by == "compute" else
+            f"Prefill is bound by {bound_by}: reading the weights once takes "
+            f"{p['memory_s'] / p['compute_s']:.1f}× as long as its {_flop(p['flops'])} at "
+            "ggml's compute ceiling")
+    text += (f". With one request in flight the server processed each {p['n_prompt']}-token "
+             f"prompt in {_msec(p['prompt_s'])} (its prompt_ms, p50): {_sig(p['gflop_s'])} "
+             f"GFLOP/s, {p['share']:.0%} of the {p['compute_gflop_s']:.0f} GFLOP/s ggml's "
+             "matrix-matrix kernels reached for this model's types")
+    if p["share"] > 1:
+        lo, hi = p.get("ceiling_range") or (None, None)
+        text += (" — above that ceiling" + (" beyond its spread" if p["above"] else
+                                              ", within its spread")
+                 + (f"; the level's compute probes ranged {lo:.0f}–{hi:.0f} GFLOP/s" if lo
+                    else "") + ": they ran between the rounds, not during the prompts, on a "
+                 "machine whose speed swings within a minute, so here the ceiling is a "
+                 "yardstick, not a limit")
+    return text + "."
+
+
+def _prompt_sharing_finding(levels: list[dict], slots: int | None) -> str | None:
+    """How the server's own prompt time grew from 1 in flight to the most requests in flight
+    within the slots, against how many prompts arrived together."""
+    closed = [lv for lv in levels if lv.get("concurrency") and lv.get("server_prompt_ms")
+              and (not slots or lv["concurrency"] <= slots)]
+    first = next((lv for lv in closed if lv["concurrency"] == 1), None)
+    top = closed[-1] if closed else None
+    if not first or top is first:
+        return None
+    p1, pn = (statistics.median(lv["server_prompt_ms"]) for lv in (first, top))
+    c, ratio = top["concurrency"], pn / p1
+    text = (f"At {top['label']} TTFT p50 was {_ms(top['summary']['ttft_s'], 'p50'):.0f} ms, "
+            f"of which the server's own prompt time {pn:.0f} ms (p50), {ratio:.2f}× its "
+            f"{p1:.0f} ms at {first['label']}")
+    if 0.75 * c <= ratio <= 1.25 * c:
+        text += (f": about what {c} prompts take one after another, as the requests of a "
+                 "closed loop arrive together and the server processes their prompts in the "
+                 "same batches, so each first token waits for all of them")
+    return text + "."
+
+
+def _slots_findings(levels: list[dict], slots: int) -> list[str]:
+    """Levels with more requests in flight than slots: the rest wait for a slot."""
+    out = []
+    within = [lv for lv in levels if lv.get("concurrency") and lv["concurrency"] <= slots]
+    for lv in levels:
+        if not lv.get("concurrency") or lv["concurrency"] <= slots:
+            continue
+        text = (f"At {lv['label']} the {slots} slots are the limit: {slots} requests decode "
+                f"together and {lv['concurrency'] - slots} wait")
+        if (wait := _outside_prompt_ms(lv)) is not None:
+            text += f"; TTFT outside the server's prompt time p50 {wait:.0f} ms"
+            if within and (ref := _outside_prompt_ms(within[-1])) is not None:
+                text += f" against {ref:.0f} ms at {within[-1]['label']}"
+        out.append(text + ".")
+    return out
+
+
+def _outside_prompt_ms(level: dict) -> float | None:
+    return _ms(level["summary"].get("ttft_outside_prompt_s"), "p50")
+
+
 def cpu_features(system_info: str | None) -> set[str]:
     """The features llama.cpp's system info line marks on ("AVX512 = 1" → AVX512)."""
     out = set()
@@ -223,11 +486,14 @@ def render_serving_page(header: dict, levels: list[dict],
              f"at most {w.get('n_requests')} requests or {w.get('duration_s'):g} s per level; "
              f"model {header.get('model', '')}.", "", "## Findings", ""]
     lines += [f"- {f}" for f in findings(levels)]
+    lines += [f"- {f}" for f in roofline_findings(levels, server.get("slots"))]
     if differ := build_difference(header, levels):
         lines.append(f"- {differ}")
     lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
     if any(lv.get("steady_decode") for lv in levels):
         lines += [markdown_table(explain_table(levels, header)), ""]
+    if roof := roofline_table(levels):
+        lines += [markdown_table(roof), ""]
     lines += [f"![{caption}]({name})\n" for name, caption in plots]
     failed = [lv for lv in levels if lv.get("errors")]
     lines += [f"- {lv['label']}: {'; '.join(lv['errors'])}" for lv in failed]
@@ -244,12 +510,15 @@ def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, st
         return []
     fig, (a1, a2) = plotkit.plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((a1, "tpot_s", "TPOT"), (a2, "ttft_s", "TTFT")):
-        for lv, row in rows:
+        by_x = sorted(range(len(rows)), key=lambda j: rows[j][1]["output_tok_s"])
+        for i, (lv, row) in enumerate(rows):
             marker = "o" if lv.get("concurrency") else "s"
             ax.errorbar([row["output_tok_s"]], [row[f"{key}_p50"]], fmt=marker,
                         yerr=[[0], [row[f"{key}_p90"] - row[f"{key}_p50"]]], capsize=3)
+            # above and below the point in turn, left to right: neighbours' labels apart
             ax.annotate(row["level"], (row["output_tok_s"], row[f"{key}_p50"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+                        xytext=(4, 4 if by_x.index(i) % 2 == 0 else -11),
+                        textcoords="offset points")
         ax.set_xlabel("output tok/s (all requests)")
         ax.set_ylabel(f"{name} ms (p50, bar to p90)")
         ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room for the top point's label
@@ -264,7 +533,33 @@ def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, st
     if len(closed) >= 2:
         out.append((_by_concurrency(plotkit, closed, out_dir),
                     "TTFT and ITL against the requests in flight (closed loop)"))
+    bounded = [r for r in map(roofline_row, levels) if r]
+    if len(bounded) >= 2:
+        out.append((_against_bound(plotkit, bounded, out_dir),
+                    "Aggregate decode against the requests in flight: served (steady "
+                    "window), in-process, and the roofline bound from the measured ceilings"))
     return out
+
+
+def _against_bound(plotkit, rows: list[dict], out_dir: Path) -> str:
+    fig, ax = plotkit.plt.subplots(figsize=(6, 4))
+    xs = [r["in_flight"] for r in rows]
+    ax.plot(xs, [r["bound_tok_s"] for r in rows], "k--", label="roofline bound")
+    ax.plot(xs, [r["served_tok_s"] for r in rows], "o-", label="served (steady window)")
+    ax.plot(xs, [r["inprocess_tok_s"] for r in rows], "s:", label="in-process (geometric mean)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("requests in flight (at most the slots decode together)")
+    ax.set_ylabel("aggregate decode tok/s")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    last = rows[-1]
+    fig.suptitle(f"At {last['level']}: served {last['served_share']['median']:.0%} of the "
+                 f"bound ({last['limiter']})" if last["served_share"] else
+                 "Decode against the bound")
+    fig.tight_layout()
+    return plotkit.save(fig, out_dir, "decode_against_bound")
 
 
 def _by_concurrency(plotkit, closed: list[tuple[int, dict]], out_dir: Path) -> str:
