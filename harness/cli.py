@@ -136,6 +136,8 @@ def server_build(jobs: int | None, directory: Path | None, force: bool,
 @click.option("--prefix-cache", is_flag=True, help="Let the server reuse cached prompt prefixes.")
 @click.option("--inprocess/--no-inprocess", default=True, show_default=True,
               help="Time the same file's batched decode in-process beside each closed level.")
+@click.option("--pin-slots/--no-pin-slots", default=True, show_default=True,
+              help="Closed loop: worker k's requests ask for slot k (llama-server's id_slot).")
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 1000),
               help="Rounds a compared level alternates served and in-process decode in.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path))
@@ -143,8 +145,8 @@ def server_build(jobs: int | None, directory: Path | None, force: bool,
 def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
           concurrency: str, rate: str | None, n_requests: int, duration_s: float, prompt: int,
           generate: int, warmup: int, threads: int, slo_ttft_ms: float | None,
-          slo_tpot_ms: float | None, prefix_cache: bool, inprocess: bool, rounds: int,
-          out: Path | None,
+          slo_tpot_ms: float | None, prefix_cache: bool, inprocess: bool, pin_slots: bool,
+          rounds: int, out: Path | None,
           cache_dir: Path | None) -> None:
     """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
     TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
@@ -158,7 +160,7 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
     plan = ServePlan(None, f"serve-{label}", f"Serving {label}", "", model, dtype, 0,
                      _levels(concurrency, rate), server, endpoint, slots, n_requests,
                      duration_s, prompt, generate, warmup, threads, prefix_cache, inprocess,
-                     slo=slo, rounds=rounds)
+                     slo=slo, rounds=rounds, pin_slots=pin_slots)
     _serve(plan, out or Path("reports/runs") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}",
            cache_dir, resume=False)
 

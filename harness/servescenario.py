@@ -23,7 +23,7 @@ from .engine.load import REQUEST_TIMEOUT_S, Level
 TOP_KEYS = ["name", "title", "description", "model", "dtype", "seed", "serve"]
 SERVE_KEYS = ["server", "endpoint", "slots", "concurrency", "rate", "requests", "duration_s",
               "prompt", "generate", "warmup", "threads", "prefix_cache", "inprocess",
-              "rounds", "timeout_s", "slo"]
+              "rounds", "timeout_s", "slo", "pin_slots"]
 MAX_TOKENS = 1 << 20
 
 
@@ -51,6 +51,7 @@ class ServePlan:
     prefix_cache: bool = False
     inprocess: bool = True
     timeout_s: float = REQUEST_TIMEOUT_S
+    pin_slots: bool = True
     rounds: int = 3
     slo: dict = field(default_factory=dict)
 
@@ -101,6 +102,7 @@ def _serve_options(doc: Doc, s: dict) -> dict:
                             maximum=1024),
         "prefix_cache": want_bool(doc, p + ("prefix_cache",), s.get("prefix_cache", False)),
         "inprocess": want_bool(doc, p + ("inprocess",), s.get("inprocess", True)),
+        "pin_slots": want_bool(doc, p + ("pin_slots",), s.get("pin_slots", True)),
         "rounds": want_int(doc, p + ("rounds",), s.get("rounds", 3), minimum=1, maximum=1000),
         "timeout_s": want_float(doc, p + ("timeout_s",), s.get("timeout_s", REQUEST_TIMEOUT_S),
                                 minimum=1, maximum=86_400),

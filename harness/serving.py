@@ -48,6 +48,7 @@ class ServingRun:
     model_label: str = ""
     compare_inprocess: bool = True  # closed levels of a started server: the same file in-process
     rounds: int = 3  # a compared level: served and in-process alternate, round by round
+    pin_slots: bool = True  # a started server's closed levels: worker k on slot k
     scenario: dict = field(default_factory=dict)  # the scenario file's name, title and text
 
 
@@ -62,7 +63,7 @@ def serving_run(plan, model_path: Path, n_vocab: int, physical_cores: int) -> Se
                         plan.seed)
     label = Path(plan.model).stem if plan.model.endswith(".gguf") else plan.model
     return ServingRun(plan.levels, workload, server, plan.endpoint, plan.slo or None, label,
-                      plan.inprocess, plan.rounds, _scenario_fields(plan))
+                      plan.inprocess, plan.rounds, plan.pin_slots, _scenario_fields(plan))
 
 
 def _scenario_fields(plan) -> dict:
@@ -229,7 +230,7 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
     for r, n in enumerate(shares):  # in-process, probe, served, in-process, probe, …
         probe_seqs += [_probe(roof, f, f"{level.key} round {r}")] if roof else []
         w = replace(run.workload, n_requests=n, duration_s=run.workload.duration_s / n_rounds,
-                    warmup=run.workload.warmup if r == 0 else 0)
+                    warmup=run.workload.warmup if r == 0 else 0, pin_slots=_pinned(run, level))
         raws.append(asyncio.run(run_level(url, level, w, first=sum(shares[:r]))))
         if compare:
             inprocess.append(yard.aggregate_tok_s(level.concurrency))
@@ -245,6 +246,7 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
                 else level.concurrency)  # beyond the slots, the rest wait: no more decode
     record = {"type": "level", "level": level.key, "label": level.label,
               "concurrency": level.concurrency, "rate": level.rate,
+              "pinned_slots": _pinned(run, level),
               "summary": level_summary(timings, failed, wall_s, run.slo),
               "server_prompt_ms": _server_ms(records, "prompt_ms"),
               "steady_decode": steady_decode(timings, decoding) if level.concurrency else None,
@@ -267,6 +269,16 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
                                f"{'; '.join(record['errors'])}", key="server",
                                fix="check the server and the endpoint")
     return record
+
+
+def _pinned(run: ServingRun, level: Level) -> bool:
+    """Pin each closed-loop worker to a slot of its own (llama-server's id_slot), so the
+    requests in flight hold the adjacent slots 0 … c − 1, as the in-process sequences hold
+    adjacent streams: left to itself llama-server picks the least recently used slot, and
+    with its KV cache split per slot a step's attention spans every slot between the lowest
+    and the highest in use (docs/serving.md). Only for a server the harness started."""
+    return (run.pin_slots and run.server is not None and bool(level.concurrency)
+            and level.concurrency <= run.server.slots)
 
 
 def _probe(roof: _Ceilings, f, when: str) -> int:

@@ -199,6 +199,9 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     requests = [x for x in lines if x["type"] == "request" and x["level"] == "c2"]
     assert sorted(r["round"] for r in requests) == [0, 0, 1, 1, 2, 2]
     assert len({r["index"] for r in requests}) == 6  # every round's prompts its own
+    # each closed-loop worker on a slot of its own: the two in flight hold slots 0 and 1
+    assert sorted(r["slot"] for r in requests) == [0, 0, 0, 1, 1, 1]
+    assert all(x["pinned_slots"] == bool(x["concurrency"]) for x in levels)
     assert "rounds paired with in-process figures" in page
     assert "Why: served decode against in-process decode" in page
     assert (tmp_path / "s" / "latency_vs_throughput.png").exists()
@@ -301,6 +304,7 @@ def test_a_server_that_rejects_its_model_is_named_with_its_log(tmp_path):
     ("name: s\nmodel: tiny-llama\nserve:\n  slo: {ttft: 5}\n", ":4: serve.slo.ttft"),
     ("name: s\nmodel: tiny-llama\nserve:\n  rate: [1, -2]\n", ":4: serve.rate[1]"),
     ("name: s\nmodel: tiny-llama\nserve:\n  slots: 0\n", ":4: serve.slots"),
+    ("name: s\nmodel: tiny-llama\nserve:\n  pin_slots: maybe\n", ":4: serve.pin_slots"),
 ])
 def test_serving_scenario_errors_name_file_line_and_key(run_cli, tmp_path, text, where):
     path = tmp_path / "s.yaml"

@@ -48,6 +48,7 @@ class Workload:
     cache_prompt: bool = False  # unique prompts either way: the cache cannot hide prefill
     timeout_s: float = REQUEST_TIMEOUT_S
     seed: int = 0
+    pin_slots: bool = False  # closed loop: worker k's requests ask for llama-server's slot k
 
 
 def prompts(w: Workload, level: Level) -> Callable[[int], list[int]]:
@@ -68,8 +69,10 @@ async def run_level(base_url: str, level: Level, w: Workload, first: int = 0) ->
     make = prompts(w, level)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(w.timeout_s), limits=limits) as client:
-        async def send(i: int) -> dict:
+        async def send(i: int, slot: int | None = None) -> dict:
             body = completion_body(make(i), w.n_generate, w.cache_prompt)
+            if slot is not None:
+                body["id_slot"] = slot
             return await stream_completion(client, base_url, body, w.timeout_s) | {"index": i}
 
         for i in range(w.warmup):
@@ -91,13 +94,14 @@ async def _closed(send, concurrency: int, w: Workload, first: int = 0) -> list[d
     counter = iter(range(first, first + w.n_requests))
     records: list[dict] = []
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
         for i in counter:
             if time.perf_counter() >= deadline:
                 return
-            records.append(await send(i))
+            records.append(await send(i, k if w.pin_slots else None) | (
+                {"slot": k} if w.pin_slots else {}))
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return sorted(records, key=lambda r: r["index"])
 
 
