@@ -5,7 +5,6 @@ share of the compute peak. Pure functions of a serving run's records."""
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from ..core.costs import (
@@ -72,8 +71,10 @@ def _shares(level: dict, model: dict, spec: ModelSpec, workload: dict, mine: lis
     served, inproc = [], []
     for r, row in enumerate(rounds):
         pair = mine[r:r + 2]
+        if len(pair) < 2:
+            continue
         bw, pk = (_ceiling(model, pair, threads, what)["value"] for what in (STREAM, COMPUTE))
-        if len(pair) < 2 or not (bw and pk):
+        if not (bw and pk):
             continue
         bound = _bound(model, spec, workload, b, bw, pk).tok_s
         if row.get("served_tok_s"):
@@ -86,7 +87,7 @@ def _shares(level: dict, model: dict, spec: ModelSpec, workload: dict, mine: lis
                 "above": _above(stat, binding), "inprocess_above": _above(ip_stat, binding)}
     steady, ip = level.get("steady_decode"), level.get("inprocess_decode_tok_s")
     share = steady["tok_s"] / roof.tok_s if steady else None
-    ip_share = _geomean(ip) / roof.tok_s if ip else None
+    ip_share = statistics.geometric_mean(ip) / roof.tok_s if ip else None
     return {"served_share": share, "served_share_stat": None,
             "inprocess_share": ip_share, "inprocess_share_stat": None,
             "above": above_ceiling(share, binding),
@@ -145,7 +146,3 @@ def _range(model: dict, probes: list[dict], threads: int, what: tuple[str, str]
     """The lowest and highest ceiling one probe of the level gave: how far it swung."""
     values = [v for p in probes if (v := _ceiling(model, [p], threads, what)["value"])]
     return [min(values), max(values)] if values else None
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))

@@ -317,11 +317,6 @@ def _sig(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 1 else f"{value:.3g}"
 
 
-def _tpot_s(level: dict) -> float | None:
-    tpot = level["summary"].get("tpot_s")
-    return tpot["p50"] if tpot else None
-
-
 def _prefill_finding(p: dict) -> str:
     bound_by = "compute" if p["compute_s"] >= p["memory_s"] else "memory bandwidth"
     text = (f"Prefill is bound by {bound_by}: its {_flop(p['flops'])} take "
