@@ -158,19 +158,20 @@ def roofline_table(levels: list[dict]) -> Table | None:
     rows = [r for r in map(roofline_row, levels) if r]
     if not rows:
         return None
-    cols = [Column("load", "level"), Column("sequences decoding", "sequences", "int"),
-            Column("weights read per step MB", "weights_mb", "f1"),
-            Column("KV cache read per step MB", "kv_mb", "f1"),
-            Column("GFLOP per step", "gflop", "f2"),
-            Column("streaming ceiling GB/s", "stream_gb_s", "f1"),
-            Column("compute ceiling GFLOP/s", "compute_gflop_s", "f0"),
-            Column("step ≥ (memory) ms", "memory_ms", "f1"),
-            Column("step ≥ (compute) ms", "compute_ms", "f1"), Column("bound by", "limiter"),
+    # the verdict first, so it shows in a narrow column; the bound's inputs after it
+    cols = [Column("load", "level"), Column("bound by", "limiter"),
             Column("roofline bound tok/s", "bound_tok_s", "f1"),
             Column("served decode tok/s", "served_tok_s", "f1"),
             Column("served share of bound (95% interval)", "served_share", "pctci"),
             Column("in-process share of bound (95% interval)", "inprocess_share", "pctci"),
-            Column("", "flag")]
+            Column("", "flag"), Column("sequences decoding", "sequences", "int"),
+            Column("weights MB per step", "weights_mb", "f1"),
+            Column("KV cache MB per step", "kv_mb", "f1"),
+            Column("GFLOP per step", "gflop", "f2"),
+            Column("streaming ceiling GB/s", "stream_gb_s", "f1"),
+            Column("compute ceiling GFLOP/s", "compute_gflop_s", "f0"),
+            Column("step ≥ (memory) ms", "memory_ms", "f1"),
+            Column("step ≥ (compute) ms", "compute_ms", "f1")]
     shares = [(center(r[key]), None, r["flags"][i]) for r in rows
               for i, key in enumerate(("served_share", "inprocess_share")) if r[key]]
     return Table("roofline", "Why: decode against the roofline of this machine", cols, rows,
