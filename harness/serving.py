@@ -102,7 +102,8 @@ def timings_of(records: list[dict]) -> list[RequestTiming]:
         prompt_ms = timings.get("prompt_ms")
         out.append(RequestTiming(r["sent_s"], tuple(r["chunk_s"]), tuple(r["chunk_tokens"]),
                                  r["end_s"], int(n_out), int(n_in),
-                                 None if prompt_ms is None else float(prompt_ms) / 1000))
+                                 None if prompt_ms is None else float(prompt_ms) / 1000,
+                                 r.get("started_s")))
     return out
 
 

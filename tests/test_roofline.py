@@ -125,7 +125,7 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     assert "Per user, the bound at 2 sequences is" in text and "Prefill is bound by" in text
     # served and in-process fell alike against their bounds: not the serving's doing
     assert "so each user lost more speed than the bound's bytes and FLOPs account for" in text
-    assert "llama.cpp's batched decode falls short of the bound, not the serving" in text
+    assert "as far, so the shortfall is llama.cpp's batched decode, not the serving" in text
     assert "At 4 in flight the 2 slots are the limit: 2 requests decode together and 2 wait" \
         in text and "p50 40 ms against 20 ms at 2 in flight" in text
     assert ("At 2 in flight TTFT p50 was 20 ms, of which the server's own prompt time 3 ms "
@@ -135,6 +135,18 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     shared = " ".join(roofline_findings(levels, slots=2))
     assert ("At 2 in flight TTFT p50 was 6 ms, of which the server's own prompt time 6 ms "
             "(p50), 2.00× its 3 ms at 1 in flight: about what 2 prompts take") in shared
+    for lv in levels:  # with the server's progress events, the wait itself is named
+        lv["summary"]["wait_s"] = {"p50": 0.1 * lv["concurrency"], "p99": 0.5}
+    assert ("At 4 in flight the 2 slots are the limit: 2 requests decode together and 2 wait; "
+            "a request waited 400 ms (p50) before a slot started its prompt, against 200 ms at "
+            "2 in flight.") in " ".join(roofline_findings(levels, slots=2))
+    levels[1]["summary"] |= {"wait_on_prompt_s": {"n": 1, "p50": 0.64},
+                             "wait_otherwise_s": {"n": 19, "p50": 0.009}}
+    levels[2]["summary"] |= {"wait_on_prompt_s": {"n": 16, "p50": 5.9}}  # the slots bind there
+    behind = " ".join(roofline_findings(levels, slots=2))
+    assert ("waited for that step: 1 of 20 at 2 in flight (640 ms, against p50 9 ms for the "
+            "other 19). llama-server takes up a new request only between its steps") in behind
+    assert "at 4 in flight (" not in behind
     # a prompt faster than the compute ceiling allows is said to be, with the probes' range
     fast_prompt = _level(1, 1000.0, [1, 2]) | {"server_prompt_ms": [1e-6]}
     fast_prompt["roofline"] = level_roofline(fast_prompt, model, probes, WORKLOAD, 1, 2)
@@ -153,3 +165,15 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     table = roofline_table([fast])
     assert table.rows[0]["flag"] == "⚠ served above the bound"
     assert any("flagged above-ceiling when its whole 95% interval" in n for n in table.notes)
+
+
+def test_whose_shortfall_follows_how_far_the_in_process_share_fell():
+    from harness.report.serving import _inprocess_fall
+
+    assert _inprocess_fall(0.73, 0.73).endswith("as far, so the shortfall is llama.cpp's "
+                                                 "batched decode, not the serving")
+    assert "further" in _inprocess_fall(0.60, 0.73)
+    most = _inprocess_fall(0.78, 0.73)  # the committed run: in-process fell 22%, served 27%
+    assert most == ("; in-process the share fell to 0.78× against the server's 0.73×: most of "
+                    "the shortfall is llama.cpp's batched decode itself, the rest the serving's")
+    assert _inprocess_fall(0.95, 0.73).endswith("most of the shortfall is the serving's")

@@ -17,6 +17,7 @@ from harness.core.serving import (
     level_summary,
     meets_slo,
     steady_decode,
+    waited_on_a_prompt,
 )
 from harness.engine.http import sse_payloads, stream_completion
 from harness.engine.load import Level, Workload, run_level
@@ -24,10 +25,14 @@ from harness.serving import load_serving_run
 
 pytest.importorskip("xllamacpp")
 
-# Two events of llama-server's /v1/completions stream as it sends them: a chunk that carries
-# three tokens at once (its running predicted_n), then the last chunk, an empty choice beside
-# usage and timings.
+# Events of llama-server's /v1/completions stream as it sends them: the prompt-progress event a
+# slot sends when it starts the prompt (return_progress), a chunk that carries three tokens at
+# once (its running predicted_n), then the last chunk, an empty choice beside usage and timings.
 LLAMA_SERVER_STREAM = "".join(f"data: {json.dumps(e) if isinstance(e, dict) else e}\n\n" for e in [
+    {"choices": [{"text": "", "index": 0, "finish_reason": None}],
+     "object": "text_completion",
+     "timings": {"prompt_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0},
+     "prompt_progress": {"total": 4, "cache": 0, "processed": 0, "time_ms": 0}},
     {"choices": [{"text": "\ufffdDtok439", "index": 0, "finish_reason": None}],
      "object": "text_completion",
      "timings": {"prompt_n": 4, "prompt_ms": 0.694, "predicted_n": 3, "predicted_ms": 0.354}},
@@ -74,12 +79,32 @@ def test_steady_decode_counts_only_the_spans_where_every_request_decodes():
     assert steady_decode([a], concurrency=2) is None and steady_decode([], 1) is None
     split = level_summary([RequestTiming(0.0, (0.3, 0.4), (1, 1), 0.4, 2, 8, 0.25)], 0, 1.0)
     assert split["ttft_outside_prompt_s"]["p50"] == pytest.approx(0.05)
+    assert split["wait_s"] is None and split["ttft_after_prompt_s"] is None  # no progress seen
+
+
+def test_ttft_splits_into_the_wait_the_servers_prompt_and_the_rest():
+    # sent at 1.0, a slot started it at 1.2, prompt_ms 0.5, first token at 1.75: 0.05 after
+    t = RequestTiming(1.0, (1.75, 1.8), (1, 1), 1.8, 2, 8, 0.5, started_s=1.2)
+    assert t.wait_s == pytest.approx(0.2) and t.ttft_after_prompt_s == pytest.approx(0.05)
+    assert t.wait_s + t.server_prompt_s + t.ttft_after_prompt_s == pytest.approx(t.ttft_s)
+    late = RequestTiming(0.0, (2.1, 2.2), (1, 1), 2.2, 2, 8, 0.5, started_s=1.6)
+    s = level_summary([t, late], 0, 3.0)
+    assert s["wait_s"]["p50"] == pytest.approx(0.9) and s["wait_s"]["n"] == 2
+    assert RequestTiming(0.0, (0.3,), (1,), 0.3, 1, 8, None, 0.1).ttft_after_prompt_s is None
+    # b, sent while a's prompt ran, began only after a's first token: it waited for that step
+    a = RequestTiming(0.0, (0.8, 0.9), (1, 1), 0.9, 2, 8, 0.78, started_s=0.01)
+    b = RequestTiming(0.1, (1.6, 1.7), (1, 1), 1.7, 2, 8, 0.78, started_s=0.81)
+    c = RequestTiming(2.0, (2.8,), (1,), 2.8, 1, 8, 0.78, started_s=2.01)
+    assert waited_on_a_prompt([a, b, c]) == [False, True, False]
+    s = level_summary([a, b, c], 0, 3.0)
+    assert s["wait_on_prompt_s"]["n"] == 1 and s["wait_on_prompt_s"]["p50"] == pytest.approx(0.71)
+    assert s["wait_otherwise_s"]["n"] == 2
 
 
 def test_sse_framing_of_llama_servers_stream():
     payloads = sse_payloads(LLAMA_SERVER_STREAM.splitlines())
-    assert payloads[-1] == "[DONE]" and len(payloads) == 3
-    last = json.loads(payloads[1])
+    assert payloads[-1] == "[DONE]" and len(payloads) == 4
+    last = json.loads(payloads[2])
     assert last["choices"][0]["text"] == "" and last["usage"]["completion_tokens"] == 3
     assert sse_payloads(["data: a", "data: b", ""]) == ["a\nb"]  # multi-line data
     assert sse_payloads(["data: x"]) == ["x"]  # a stream ending without its blank line
@@ -135,7 +160,7 @@ def test_the_client_times_chunks_and_keeps_the_servers_counts(fake_server):
     assert record["error"] is None
     assert record["chunk_tokens"] == [3]  # one content chunk with three tokens
     assert record["usage"]["completion_tokens"] == 3 and record["timings"]["prompt_ms"] == 0.694
-    assert record["sent_s"] <= record["chunk_s"][0] <= record["end_s"]
+    assert record["sent_s"] <= record["started_s"] <= record["chunk_s"][0] <= record["end_s"]
 
 
 def test_malformed_events_and_stalls_end_as_errors_not_hangs(fake_server):
@@ -171,6 +196,8 @@ def test_a_real_server_under_closed_and_open_loop_load(served):
             assert r["usage"]["completion_tokens"] == 8 and r["usage"]["prompt_tokens"] == 16
             assert sum(r["chunk_tokens"]) == 8
             assert r["timings"]["cache_n"] == 0  # unique prompts: nothing reused
+            # the slot's first progress event comes after sending and before the first token
+            assert r["sent_s"] < r["started_s"] < r["chunk_s"][0]
         grown = out["metrics_after"]["llamacpp:tokens_predicted_total"] - out[
             "metrics_before"]["llamacpp:tokens_predicted_total"]
         assert grown == 8 * len(out["records"])  # warm-up excluded
@@ -204,6 +231,10 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     assert all(x["pinned_slots"] == bool(x["concurrency"]) for x in levels)
     assert "rounds paired with in-process figures" in page
     assert "Why: served decode against in-process decode" in page
+    # every finished request's TTFT split: the wait before its prompt, the prompt, the rest
+    assert "Why: what the time to first token was made of" in page
+    assert all(x["summary"]["wait_s"]["n"] == x["summary"]["n_ok"] for x in levels)
+    assert "before the server started its prompt." in page
     assert (tmp_path / "s" / "latency_vs_throughput.png").exists()
     assert "latency_by_concurrency.png" in page
     # ggml's ceilings for the served file's types, probed before every round of a level and

@@ -24,11 +24,26 @@ class RequestTiming:
     output_tokens: int
     prompt_tokens: int
     server_prompt_s: float | None = None  # the server's own prompt time (llama-server timings)
+    started_s: float | None = None  # its first prompt-progress event arrived: a slot began it
 
     @property
     def ttft_s(self) -> float | None:
         """Time to first token: sending to the first chunk with content."""
         return self.chunk_s[0] - self.sent_s if self.chunk_s else None
+
+    @property
+    def wait_s(self) -> float | None:
+        """Sending to the server's first prompt-progress event: the wait for a slot and for
+        the server's current step, and HTTP both ways (None where the server sent none)."""
+        return None if self.started_s is None else self.started_s - self.sent_s
+
+    @property
+    def ttft_after_prompt_s(self) -> float | None:
+        """What TTFT holds beyond the wait and the server's prompt time (llama-server's ends when
+        the first token is sampled): sending that token back, less the progress event's trip."""
+        if self.ttft_s is None or self.wait_s is None or self.server_prompt_s is None:
+            return None
+        return self.ttft_s - self.wait_s - self.server_prompt_s
 
     @property
     def e2e_s(self) -> float:
@@ -71,10 +86,20 @@ def meets_slo(t: RequestTiming, slo: dict[str, float]) -> bool:
     return all(got[k] is not None and got[k] * 1000 <= limit for k, limit in slo.items())
 
 
+def waited_on_a_prompt(timings: list[RequestTiming]) -> list[bool]:
+    """Whether another request's first token arrived while each request waited for its own
+    prompt to begin: the server ran that one's prompt step first."""
+    firsts = [t.chunk_s[0] for t in timings if t.chunk_s]
+    return [t.started_s is not None and any(t.sent_s <= f <= t.started_s for f in firsts)
+            for t in timings]
+
+
 def level_summary(timings: list[RequestTiming], n_failed: int, wall_s: float,
                   slo: dict[str, float] | None = None) -> dict:
     """One load level: latency distributions, throughput over its wall time, and goodput."""
     done = [t for t in timings if t.ttft_s is not None]
+    behind = [(t, d) for t, d in zip(done, waited_on_a_prompt(done), strict=True)
+              if t.wait_s is not None]
     out_tokens = sum(t.output_tokens for t in done)
     summary = {
         "n_ok": len(done), "n_failed": n_failed, "wall_s": wall_s,
@@ -87,6 +112,11 @@ def level_summary(timings: list[RequestTiming], n_failed: int, wall_s: float,
                                          if t.server_prompt_s is not None]),
         "ttft_outside_prompt_s": distribution([t.ttft_s - t.server_prompt_s for t in done
                                                if t.server_prompt_s is not None]),
+        "wait_s": distribution([t.wait_s for t in done if t.wait_s is not None]),
+        "wait_on_prompt_s": distribution([t.wait_s for t, d in behind if d]),
+        "wait_otherwise_s": distribution([t.wait_s for t, d in behind if not d]),
+        "ttft_after_prompt_s": distribution([t.ttft_after_prompt_s for t in done
+                                             if t.ttft_after_prompt_s is not None]),
         "request_s": len(done) / wall_s if wall_s > 0 else None,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else None,
         "input_tok_s": sum(t.prompt_tokens for t in done) / wall_s if wall_s > 0 else None,

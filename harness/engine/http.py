@@ -42,10 +42,13 @@ def sse_payloads(lines: Iterable[str]) -> list[str]:
 
 def completion_body(prompt: list[int], n_predict: int, cache_prompt: bool) -> dict:
     """A streamed /v1/completions request for exactly n_predict tokens from token ids (EOS
-    ignored: a random model would stop anywhere), usage and per-chunk timings asked for."""
+    ignored: a random model would stop anywhere), usage and per-chunk timings asked for, and
+    llama-server's prompt progress: its first progress event leaves when a slot starts the
+    prompt, so the client sees when the request stopped waiting."""
     return {"prompt": prompt, "max_tokens": n_predict, "n_predict": n_predict, "stream": True,
             "ignore_eos": True, "temperature": 0.0, "cache_prompt": cache_prompt,
-            "timings_per_token": True, "stream_options": {"include_usage": True}}
+            "timings_per_token": True, "return_progress": True,
+            "stream_options": {"include_usage": True}}
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[tuple[float, dict | None]]:
@@ -70,10 +73,11 @@ def _tokens_of(event: dict, seen: int) -> tuple[int | None, int]:
 
 async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict,
                             timeout_s: float) -> dict:
-    """Send one streamed completion; return its record: send time, each content chunk's
-    arrival and tokens, end time, usage and the server's own timings, or the error."""
-    record: dict = {"sent_s": time.perf_counter(), "chunk_s": [], "chunk_tokens": [],
-                    "usage": None, "timings": None, "error": None}
+    """Send one streamed completion; return its record: send time, the arrival of the first
+    prompt-progress event (None where the server sends none), each content chunk's arrival and
+    tokens, end time, usage and the server's own timings, or the error."""
+    record: dict = {"sent_s": time.perf_counter(), "started_s": None, "chunk_s": [],
+                    "chunk_tokens": [], "usage": None, "timings": None, "error": None}
     try:
         await asyncio.wait_for(_receive(client, base_url, body, record), timeout_s)
     except asyncio.TimeoutError:
@@ -101,6 +105,8 @@ def _note_event(record: dict, event: dict, arrived: float, seen: int) -> int:
         raise ServerReply(str(event["error"])[:200])
     record["usage"] = event.get("usage") or record["usage"]
     record["timings"] = event.get("timings") or record["timings"]
+    if event.get("prompt_progress") is not None and record["started_s"] is None:
+        record["started_s"] = arrived
     choice = (event.get("choices") or [{}])[0]
     n, seen_now = _tokens_of(event, seen)
     if choice.get("text") or (n or 0) > 0:

@@ -47,7 +47,7 @@ def level_row(level: dict) -> dict:
         row["served_of_inprocess_stat"] = {"median": row["served_of_inprocess"]}
         row["n_rounds"] = 1
     for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "chunk_gap_s", "server_prompt_s",
-                   "ttft_outside_prompt_s"):
+                   "ttft_outside_prompt_s", "wait_s", "ttft_after_prompt_s"):
         for p in ("p50", "p90", "p99"):
             row[f"{metric}_{p}"] = _ms(s.get(metric), p)
     return row
@@ -96,19 +96,15 @@ def server_identity(header: dict) -> str:
 
 
 def explain_table(levels: list[dict], header: dict) -> Table:
-    """Served decode against the same file's in-process decode, and what TTFT is made of."""
+    """Served decode against the same file's in-process decode, level by level."""
     cols = [Column("load", "level"),
             Column("served decode tok/s (steady window)", "steady_tok_s", "f1"),
             Column("steady window s", "steady_window_s", "f2"),
             Column("in-process decode tok/s (range)", "inprocess_range", "text"),
             Column("served ÷ in-process (95% interval)", "served_of_inprocess_stat", "stat2"),
             Column("rounds", "n_rounds", "int"),
-            Column("busy slots per decode call", "busy_slots", "f2"),
-            Column("TTFT p50 ms", "ttft_s_p50", "f2"),
-            Column("server prompt p50 ms", "server_prompt_s_p50", "f2"),
-            Column("TTFT outside the server's prompt time p50 ms", "ttft_outside_prompt_s_p50",
-                   "f2")]
-    return Table("explain", "Why: served decode against in-process decode, and TTFT's parts",
+            Column("busy slots per decode call", "busy_slots", "f2")]
+    return Table("explain", "Why: served decode against in-process decode",
                  cols, [level_row(lv) for lv in levels],
                  ["Served decode: tokens after each request's first that arrived while every "
                   "in-flight request was between its first and last token (ramp-up, a new "
@@ -119,10 +115,27 @@ def explain_table(levels: list[dict], header: dict) -> Table:
                   "÷ in-process: each round's served decode over the geometric mean of the "
                   "in-process figures either side of it, the geometric mean over the rounds "
                   "with a Student-t interval (the paired contrast of core/stats.py); none "
-                  "under 3 rounds. The server: "
-                  f"{server_identity(header)}. TTFT outside the server's prompt time: each "
-                  "request's TTFT minus its prompt_ms, the wait for a slot, HTTP and "
-                  "streaming."])
+                  f"under 3 rounds. The server: {server_identity(header)}."])
+
+
+def ttft_table(levels: list[dict]) -> Table:
+    """What each level's time to first token was made of, per request."""
+    cols = [Column("load", "level"), Column("TTFT p50 ms", "ttft_s_p50", "f2"),
+            Column("waited before its prompt p50 ms", "wait_s_p50", "f2"),
+            Column("server prompt p50 ms", "server_prompt_s_p50", "f2"),
+            Column("after the prompt p50 ms", "ttft_after_prompt_s_p50", "f2"),
+            Column("TTFT outside the prompt p50 ms", "ttft_outside_prompt_s_p50", "f2"),
+            Column("waited p99 ms", "wait_s_p99", "f2"), Column("TTFT p99 ms", "ttft_s_p99", "f2")]
+    return Table("ttft", "Why: what the time to first token was made of", cols,
+                 [level_row(lv) for lv in levels],
+                 ["Each part per request, then its percentiles (percentiles do not add up). "
+                  "Waited before its prompt: sending the request to the arrival of the "
+                  "server's first prompt-progress event, which llama-server sends when a slot "
+                  "starts the prompt: the wait for a free slot and for the server's current "
+                  "step, and HTTP both ways. Server prompt: its prompt_ms, from that start to "
+                  "the first token sampled. After the prompt: TTFT minus both, the first "
+                  "token's trip back less the progress event's. TTFT outside the prompt: TTFT "
+                  "minus prompt_ms. – where the server sent no progress event."])
 
 
 def roofline_row(level: dict) -> dict | None:
@@ -216,6 +229,8 @@ def roofline_findings(levels: list[dict], slots: int | None) -> list[str]:
         out.append(f"No roofline bound: {missing}.")
     if slots:
         out += _slots_findings(levels, slots)
+    if behind := _behind_prompt_finding(levels, slots):
+        out.append(behind)
     return out
 
 
@@ -292,10 +307,24 @@ def _per_user_finding(closed: list[tuple[dict, dict]]) -> str:
             text += (", so each user lost more speed than the bound's bytes and FLOPs account "
                      "for: the rest is in costs the roofline leaves out")
             i1, i_n = r1["inprocess_share"], rn["inprocess_share"]
-            if i1 and i_n and abs(i_n / i1 - sn / s1) < 0.1:
-                text += (", and as much of it in-process as served: llama.cpp's batched decode "
-                         "falls short of the bound, not the serving")
+            if i1 and i_n:
+                text += _inprocess_fall(i_n / i1, sn / s1)
     return text + "."
+
+
+def _inprocess_fall(kept_inprocess: float, kept_served: float) -> str:
+    """Whose shortfall it is: how far the in-process share fell beside the server's."""
+    fall_i, fall_s = 1 - kept_inprocess, 1 - kept_served
+    text = (f"; in-process the share fell to {kept_inprocess:.2f}× against the server's "
+            f"{kept_served:.2f}×")
+    if abs(fall_i - fall_s) <= 0.1 * fall_s:
+        return text + ": as far, so the shortfall is llama.cpp's batched decode, not the serving"
+    if fall_i > fall_s:
+        return text + ": further, so the shortfall is llama.cpp's batched decode, not the serving"
+    if fall_i >= 0.5 * fall_s:
+        return text + (": most of the shortfall is llama.cpp's batched decode itself, the rest "
+                       "the serving's")
+    return text + ": most of the shortfall is the serving's"
 
 
 def _size(n_bytes: float) -> str:
@@ -371,16 +400,52 @@ def _slots_findings(levels: list[dict], slots: int) -> list[str]:
             continue
         text = (f"At {lv['label']} the {slots} slots are the limit: {slots} requests decode "
                 f"together and {lv['concurrency'] - slots} wait")
-        if (wait := _outside_prompt_ms(lv)) is not None:
+        ref = within[-1] if within else None
+        if (wait := _ms(lv["summary"].get("wait_s"), "p50")) is not None:
+            text += f"; a request waited {wait:.0f} ms (p50) before a slot started its prompt"
+            if ref and (was := _ms(ref["summary"].get("wait_s"), "p50")) is not None:
+                text += f", against {was:.0f} ms at {ref['label']}"
+        elif (wait := _outside_prompt_ms(lv)) is not None:
             text += f"; TTFT outside the server's prompt time p50 {wait:.0f} ms"
-            if within and (ref := _outside_prompt_ms(within[-1])) is not None:
-                text += f" against {ref:.0f} ms at {within[-1]['label']}"
+            if ref and (was := _outside_prompt_ms(ref)) is not None:
+                text += f" against {was:.0f} ms at {ref['label']}"
         out.append(text + ".")
     return out
 
 
+def _behind_prompt_finding(levels: list[dict], slots: int | None) -> str | None:
+    """Within the slots, what the requests that waited while another's prompt ran waited,
+    against the others of their level."""
+    parts = []
+    for lv in levels:
+        s = lv["summary"]
+        during, other = s.get("wait_on_prompt_s"), s.get("wait_otherwise_s")
+        if not during or (slots and (lv.get("concurrency") or 0) > slots):
+            continue
+        n_all = during["n"] + (other["n"] if other else 0)
+        against = (f", against p50 {other['p50'] * 1000:.0f} ms for the other {other['n']}"
+                   if other else "")
+        waited = f"{'' if during['n'] == 1 else 'p50 '}{during['p50'] * 1000:.0f} ms"
+        parts.append(f"{during['n']} of {n_all} at {lv['label']} ({waited}{against})")
+    if not parts:
+        return None
+    return ("Within the slots, a request that arrived while the server ran another's prompt "
+            "(that one's first token came before its own prompt began) waited for that step: "
+            f"{'; '.join(parts)}. llama-server takes up a new "
+            "request only between its steps (llama_decode calls), and a step that carries "
+            "prompts lasts as long as they take.")
+
+
 def _outside_prompt_ms(level: dict) -> float | None:
     return _ms(level["summary"].get("ttft_outside_prompt_s"), "p50")
+
+
+def _waited(row: dict) -> str:
+    """How long a level's requests waited before their prompt began, where it was seen."""
+    if row.get("wait_s_p50") is None:
+        return ""
+    return (f"; a request waited {row['wait_s_p50']:.1f} ms (p50, p99 "
+            f"{row['wait_s_p99']:.1f}) before the server started its prompt")
 
 
 def cpu_features(system_info: str | None) -> set[str]:
@@ -429,7 +494,7 @@ def findings(levels: list[dict]) -> list[str]:
             out.append(f"At {row['level']} offered (Poisson): {row['request_s']:.2f} requests/s "
                        f"finished, {row['output_tok_s']:.1f} output tok/s; TTFT p50 "
                        f"{row['ttft_s_p50']:.1f} ms (p99 {row['ttft_s_p99']:.1f}), TPOT p50 "
-                       f"{_or(row['tpot_s_p50'])} ms.")
+                       f"{_or(row['tpot_s_p50'])} ms{_waited(row)}.")
     return out
 
 
@@ -458,7 +523,7 @@ def _served_finding(row: dict) -> str:
             f"steady window ({row['steady_window_s']:.1f} s), {row['served_of_inprocess']:.2f}× "
             f"the same file's in-process batched decode{paired}{busy}; of its TTFT p50 "
             f"{row['ttft_s_p50']:.1f} ms, the server's prompt time was "
-            f"{_or(row.get('server_prompt_s_p50'))} ms.")
+            f"{_or(row.get('server_prompt_s_p50'))} ms{_waited(row)}.")
 
 
 def _or(value: float | None) -> str:
@@ -488,6 +553,8 @@ def render_serving_page(header: dict, levels: list[dict],
     lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
     if any(lv.get("steady_decode") for lv in levels):
         lines += [markdown_table(explain_table(levels, header)), ""]
+    if any(lv["summary"].get("server_prompt_s") for lv in levels):
+        lines += [markdown_table(ttft_table(levels)), ""]
     if roof := roofline_table(levels):
         lines += [markdown_table(roof), ""]
     lines += [f"![{caption}]({name})\n" for name, caption in plots]
