@@ -257,6 +257,7 @@ def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path)
     assert (tmp_path / "s" / "report.md").read_text() == page  # re-rendered from the records
     compared = run_cli("compare", str(tmp_path / "s"), str(tmp_path / "s"))
     assert compared.exit_code == 0 and "| 2 in flight | TTFT p50 ms |" in compared.stdout
+    assert "| 2 in flight | waited before the prompt p50 ms |" in compared.stdout
     assert "| 1.00 |" in compared.stdout
     mixed = run_cli("compare", str(tmp_path / "s"), str(tmp_path))
     assert mixed.exit_code == 2 and "serving runs compare only" in mixed.stderr

@@ -637,6 +637,7 @@ def _by_concurrency(plotkit, closed: list[tuple[int, dict]], out_dir: Path) -> s
 
 
 COMPARED = (("ttft_s_p50", "TTFT p50 ms"), ("ttft_s_p99", "TTFT p99 ms"),
+            ("wait_s_p50", "waited before the prompt p50 ms"),
             ("itl_s_p50", "ITL p50 ms"), ("itl_s_p99", "ITL p99 ms"),
             ("output_tok_s", "output tok/s"), ("request_s", "requests/s"))
 
