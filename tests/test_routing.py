@@ -3,7 +3,13 @@ mixture of experts."""
 
 from dataclasses import replace
 
-from harness.core.costs import consecutive_overlap, experts_touched, uniform_overlap
+from harness.core.costs import (
+    consecutive_overlap,
+    experts_touched,
+    repeat_share,
+    uniform_overlap,
+    uniform_repeat_share,
+)
 from harness.core.dtypes import DTYPES
 from harness.core.specs import resolve_spec
 from harness.engine.build import build
@@ -17,6 +23,25 @@ def test_overlap_and_union_on_known_selections():
     assert consecutive_overlap([[0, 1]]) is None
     assert experts_touched(steps) == 5
     assert uniform_overlap(8, 2) == 0.5 and uniform_overlap(32, 8) == 2.0
+    assert repeat_share(steps) == 2 / 3 and repeat_share([[0, 1]]) is None
+    # Mixtral's 2 of 8: 1 − (6/8)(5/7), the paper's 46%; one of E picks share 1/E
+    assert abs(uniform_repeat_share(8, 2) - (1 - 6 / 8 * 5 / 7)) < 1e-12
+    assert abs(uniform_repeat_share(8, 1) - 1 / 8) < 1e-12
+    assert uniform_repeat_share(4, 3) == 1.0  # two picks of 3 among 4 always meet
+
+
+def test_the_experts_section_shows_repetitions_only_where_recorded():
+    from harness.levers.experts import _routing_summary
+    from harness.render.tabular import markdown_table
+
+    row = {"model": "m", "dtype": "f16", "experts": "2 of 8", "n_prompt": 8, "touched": "8",
+           "touched_uniform": 7.2, "n_full": 3, "n_layers": 3, "n_decode": 4, "overlap": "0.5",
+           "overlap_uniform": 0.5, "decode_touched": "5"}
+    older = markdown_table(_routing_summary([row | {"repeat": "", "repeat_uniform": None}])[0])
+    assert "sharing any" not in older
+    newer = markdown_table(_routing_summary([row | {"repeat": "33%–67%",
+                                                    "repeat_uniform": 0.464}])[0])
+    assert "| 33%–67% | 46% |" in newer and "Table 5" in newer
 
 
 def test_the_recorder_reads_every_layers_choices_from_the_graph():
@@ -35,6 +60,8 @@ def test_the_recorder_reads_every_layers_choices_from_the_graph():
     rows = routing_stats(chosen, spec)
     assert [r["layer"] for r in rows] == layers
     assert all(0 <= r["decode_overlap"] <= spec.num_experts_per_tok for r in rows)
+    assert all(0 <= r["decode_repeat"] <= 1 for r in rows)
+    assert all(r["decode_repeat"] == repeat_share(chosen["decode"][r["layer"]]) for r in rows)
 
 
 def test_routing_of_a_dense_model_is_refused_in_one_line(run_cli):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -41,6 +42,22 @@ def uniform_overlap(n_experts: int, n_used: int) -> float:
     """What consecutive tokens share when each picks k of E uniformly at random: each of one
     token's k experts is among the other's with probability k/E, so k²/E."""
     return n_used * n_used / n_experts
+
+
+def repeat_share(steps: list[list[int]]) -> float | None:
+    """Share of consecutive tokens that have at least one expert in common: the Mixtral
+    paper's "first or second choice" repetitions (Jiang et al. 2024, arXiv 2401.04088,
+    Table 5), for any k; None under two steps."""
+    pairs = list(zip(steps, steps[1:], strict=False))
+    if not pairs:
+        return None
+    return sum(bool(set(a) & set(b)) for a, b in pairs) / len(pairs)
+
+
+def uniform_repeat_share(n_experts: int, n_used: int) -> float:
+    """repeat_share when each token picks k of E uniformly at random: the second token's k
+    all miss the first's with probability C(E − k, k) ÷ C(E, k) (Mixtral, 2 of 8: 46%)."""
+    return 1 - math.comb(n_experts - n_used, n_used) / math.comb(n_experts, n_used)
 
 
 def experts_touched(selections: list[list[int]]) -> int:

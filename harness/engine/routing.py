@@ -10,7 +10,9 @@ from ..core.costs import (
     consecutive_overlap,
     expert_union_fraction,
     experts_touched,
+    repeat_share,
     uniform_overlap,
+    uniform_repeat_share,
 )
 from ..core.specs import ModelSpec
 
@@ -52,7 +54,8 @@ def _collect(trace, into: dict[int, list[list[int]]]) -> None:
 
 def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
     """Per layer: the experts the prefill touched (and what tokens picking uniformly at random
-    would touch), and what consecutive decode steps share (and k²/E, the uniform figure)."""
+    would touch), what consecutive decode steps share (and k²/E, the uniform figure), and how
+    often they share any (and its uniform figure)."""
     n_experts, k = spec.num_experts, spec.num_experts_per_tok
     rows = []
     for layer in sorted(set(selections["prefill"]) | set(selections["decode"])):
@@ -64,6 +67,8 @@ def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
                          n_experts, k, len(prefill)) if prefill else None,
                      "decode_steps": len(decode),
                      "decode_overlap": consecutive_overlap(decode),
+                     "decode_repeat": repeat_share(decode),
                      "decode_touched": experts_touched(decode) if decode else None,
-                     "uniform_overlap": uniform_overlap(n_experts, k)})
+                     "uniform_overlap": uniform_overlap(n_experts, k),
+                     "uniform_repeat": uniform_repeat_share(n_experts, k)})
     return rows
