@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
 
 from ..core.stats import center  # noqa: E402
 
@@ -58,6 +58,21 @@ def plain_log2(ax) -> None:
     """A doubling x axis labelled 1, 2, 4 … 4,096 rather than 2⁰ … 2¹²."""
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+
+
+def plain_log_x(ax) -> None:
+    """A log x axis labelled 1.2, 1.6, 2 … rather than 1.2×10⁰ (matplotlib's own choice of
+    which minor ticks to label, in plain numbers)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(_PlainLogMinor(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+class _PlainLogMinor(LogFormatter):
+    """matplotlib's choice of which minor log ticks to label, each as a plain number."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
 
 
 def plain_log_y(ax) -> None:

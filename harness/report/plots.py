@@ -8,7 +8,7 @@ from ..analysis.ceilings import is_plain
 from ..analysis.phases import longest_decodes
 from ..core.stats import center
 from ..levers import write_lever_plots
-from ..render.plotkit import ci_errors, plain_log2, plain_log_y, plt, save
+from ..render.plotkit import ci_errors, plain_log2, plain_log_x, plain_log_y, plt, save
 
 
 def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
@@ -49,8 +49,7 @@ def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
         ax.scatter([x for x, _, _ in published], [y for _, y, _ in published],
                    facecolors="none", edgecolors="black", s=40, zorder=4,
                    label=f"published ({reference.get('hardware', 'reference')})")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    plain_log_x(ax)
     plain_log_y(ax)
     ax.set_xlabel("GB read per decode step (10⁹ bytes, log scale)")
     ax.set_ylabel("decode tokens/s (log scale)")
