@@ -29,13 +29,16 @@ def expert_union_fraction(n_experts: int, n_used: int, n_sequences: int = 1) -> 
     return 1 - (1 - n_used / n_experts) ** n_sequences
 
 
+def _consecutive_shared(steps: list[list[int]]) -> list[set[int]]:
+    """The experts each pair of consecutive tokens has in common."""
+    return [set(a) & set(b) for a, b in zip(steps, steps[1:], strict=False)]
+
+
 def consecutive_overlap(steps: list[list[int]]) -> float | None:
     """Experts two consecutive tokens share, on average: |S_t ∩ S_t+1| over a sequence's
     steps (each the experts one token picked in one layer); None under two steps."""
-    pairs = list(zip(steps, steps[1:], strict=False))
-    if not pairs:
-        return None
-    return sum(len(set(a) & set(b)) for a, b in pairs) / len(pairs)
+    shared = _consecutive_shared(steps)
+    return sum(map(len, shared)) / len(shared) if shared else None
 
 
 def uniform_overlap(n_experts: int, n_used: int) -> float:
@@ -48,10 +51,8 @@ def repeat_share(steps: list[list[int]]) -> float | None:
     """Share of consecutive tokens that have at least one expert in common: the Mixtral
     paper's "first or second choice" repetitions (Jiang et al. 2024, arXiv 2401.04088,
     Table 5), for any k; None under two steps."""
-    pairs = list(zip(steps, steps[1:], strict=False))
-    if not pairs:
-        return None
-    return sum(bool(set(a) & set(b)) for a, b in pairs) / len(pairs)
+    shared = _consecutive_shared(steps)
+    return sum(map(bool, shared)) / len(shared) if shared else None
 
 
 def uniform_repeat_share(n_experts: int, n_used: int) -> float:

@@ -139,6 +139,12 @@ def experts_table(analysis: dict) -> list[Table]:
     return [_experts_main_table(rows)] + _routing_summary(analysis.get("routing") or [])
 
 
+REPEAT_NOTE = (" Sharing any: the share of consecutive decode steps with at least one expert in "
+               "common, the Mixtral paper's \"first or second choice\" repetitions (arXiv "
+               "2401.04088, Table 5: trained Mixtral 8x7B on The Pile 44.9–49.9% at layer 0, "
+               "61.6–67.0% at layer 15, 44.5–53.6% at layer 31, against 46% uniform).")
+
+
 def _routing_summary(rows: list[dict]) -> list[Table]:
     if not rows:
         return []
@@ -163,12 +169,6 @@ def _routing_summary(rows: list[dict]) -> list[Table]:
          "is left out of the prefill columns). If uniform: every token picking k of E "
          "independently and uniformly at random. `harness routing MODEL` prints every "
          "layer." + (REPEAT_NOTE if repeats else "")])]
-
-
-REPEAT_NOTE = (" Sharing any: the share of consecutive decode steps with at least one expert in "
-               "common, the Mixtral paper's \"first or second choice\" repetitions (arXiv "
-               "2401.04088, Table 5: trained Mixtral 8x7B on The Pile 44.9–49.9% at layer 0, "
-               "61.6–67.0% at layer 15, 44.5–53.6% at layer 31, against 46% uniform).")
 
 
 def _experts_main_table(rows: list[dict]) -> Table:

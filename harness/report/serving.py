@@ -401,14 +401,16 @@ def _slots_findings(levels: list[dict], slots: int) -> list[str]:
         text = (f"At {lv['label']} the {slots} slots are the limit: {slots} requests decode "
                 f"together and {lv['concurrency'] - slots} wait")
         ref = within[-1] if within else None
-        if (wait := _ms(lv["summary"].get("wait_s"), "p50")) is not None:
-            text += f"; a request waited {wait:.0f} ms (p50) before a slot started its prompt"
-            if ref and (was := _ms(ref["summary"].get("wait_s"), "p50")) is not None:
-                text += f", against {was:.0f} ms at {ref['label']}"
-        elif (wait := _outside_prompt_ms(lv)) is not None:
-            text += f"; TTFT outside the server's prompt time p50 {wait:.0f} ms"
-            if ref and (was := _outside_prompt_ms(ref)) is not None:
-                text += f" against {was:.0f} ms at {ref['label']}"
+        # the wait itself where the server's progress events were seen; before them, TTFT
+        # outside the prompt time bounds it
+        key, said, joint = (
+            ("wait_s", "a request waited {:.0f} ms (p50) before a slot started its prompt", ",")
+            if lv["summary"].get("wait_s") else
+            ("ttft_outside_prompt_s", "TTFT outside the server's prompt time p50 {:.0f} ms", ""))
+        if (wait := _ms(lv["summary"].get(key), "p50")) is not None:
+            text += "; " + said.format(wait)
+            if ref and (was := _ms(ref["summary"].get(key), "p50")) is not None:
+                text += f"{joint} against {was:.0f} ms at {ref['label']}"
         out.append(text + ".")
     return out
 
@@ -423,9 +425,9 @@ def _behind_prompt_finding(levels: list[dict], slots: int | None) -> str | None:
         if not during or (slots and (lv.get("concurrency") or 0) > slots):
             continue
         n_all = during["n"] + (other["n"] if other else 0)
-        against = (f", against p50 {other['p50'] * 1000:.0f} ms for the other {other['n']}"
+        against = (f", against p50 {_ms(other, 'p50'):.0f} ms for the other {other['n']}"
                    if other else "")
-        waited = f"{'' if during['n'] == 1 else 'p50 '}{during['p50'] * 1000:.0f} ms"
+        waited = f"{'' if during['n'] == 1 else 'p50 '}{_ms(during, 'p50'):.0f} ms"
         parts.append(f"{during['n']} of {n_all} at {lv['label']} ({waited}{against})")
     if not parts:
         return None
@@ -434,10 +436,6 @@ def _behind_prompt_finding(levels: list[dict], slots: int | None) -> str | None:
             f"{'; '.join(parts)}. llama-server takes up a new "
             "request only between its steps (llama_decode calls), and a step that carries "
             "prompts lasts as long as they take.")
-
-
-def _outside_prompt_ms(level: dict) -> float | None:
-    return _ms(level["summary"].get("ttft_outside_prompt_s"), "p50")
 
 
 def _waited(row: dict) -> str:
