@@ -321,12 +321,17 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
 @click.option("--mmap/--no-mmap", default=True, show_default=True,
               help="Read the weights from the mapped files (llama.cpp's default) or copy them "
                    "into memory at load.")
+@click.option("--against", "against", default="twin", show_default=True,
+              type=click.Choice(["twin", "built", "both"]),
+              help="The random-weight file: the twin (the file's own table and block "
+                   "magnitudes), built (the builder's file of the header's spec, as every run "
+                   "times), or both.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
 @click.pass_context
 def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt: int,
          generate: int, repetitions: str, min_repetitions: int, max_repetitions: int,
-         target_ci: float, mmap: bool, cache_dir: Path | None) -> None:
+         target_ci: float, mmap: bool, against: str, cache_dir: Path | None) -> None:
     """Time REAL (a GGUF file) beside its random-weight twin: twin ÷ real per phase."""
     from .engine.build import check_gguf_file, write_text_atomically
     from .engine.scenario import twin_scenario_text
@@ -334,8 +339,9 @@ def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt:
     check_gguf_file(real)
     threads_value = threads if threads == "auto" else _whole(threads, "--threads")
     reps = repetitions if repetitions == "auto" else _whole(repetitions, "--repetitions")
+    random = ("twin", "built") if against == "both" else (against,)
     text = twin_scenario_text(real, threads_value, prompt, generate, reps, min_repetitions,
-                              max_repetitions, target_ci, mmap)
+                              max_repetitions, target_ci, mmap, random)
     run_dir = out or default_run_dir(f"twin-{real.stem}", False)
     scenario = run_dir / "twin.yaml"
     if scenario.exists() and scenario.read_text() != text:

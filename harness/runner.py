@@ -525,6 +525,8 @@ def memory_needed_bytes(m: Measurement, spec: ModelSpec) -> int:
 def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Console) -> Path:
     if ref.gguf_path:
         return ref.gguf_path
+    if ref.dtype == "built":
+        return _built_stand_in(ref.twin_of, seed, cache_dir, console)
     if ref.twin_of:
         from .engine.twin import build_twin
 
@@ -538,6 +540,24 @@ def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Conso
     built = build(spec, DTYPES[ref.dtype], seed, directory=cache_dir)
     if not built.cached:
         console.info(f"built {built.path.name} in {time.perf_counter() - start:.1f} s")
+    return built.path
+
+
+def _built_stand_in(real: Path, seed: int, cache_dir: Path | None, console: Console) -> Path:
+    """The builder's file of the spec real's header gives, at real's type, as every run's
+    builds are made; refused (exit 2) when its tensors differ from real's in name, shape or
+    type."""
+    from .weights.gguf_inspect import file_dtype
+    from .weights.twin import built_mismatch
+
+    start = time.perf_counter()
+    built = build(spec_from_gguf(real), file_dtype(real), seed, directory=cache_dir)
+    if not built.cached:
+        console.info(f"built {built.path.name}, the spec-built file, in "
+                     f"{time.perf_counter() - start:.1f} s")
+    if problem := built_mismatch(real, built.path):
+        raise HarnessError(f"the spec-built file does not match the real file: {problem}",
+                           source=str(real), fix="time it against its twin (random: twin)")
     return built.path
 
 

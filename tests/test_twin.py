@@ -169,11 +169,36 @@ def test_recache_reads_the_whole_file(tmp_path):
     assert path.read_bytes() == b"\1" * 5_000_000
 
 
-def _twin_scenario(tmp: Path, real: Path, reps: int = 3) -> Path:
+def _twin_scenario(tmp: Path, real: Path, reps: int = 3, random: str = "") -> Path:
     path = tmp / "twin.yaml"
-    path.write_text(f"name: twin-test\nmodels:\n  - twin_of: {real}\nthreads: 1\n"
+    entry = f"{{twin_of: {real}" + (f", random: {random}}}" if random else "}")
+    path.write_text(f"name: twin-test\nmodels:\n  - {entry}\nthreads: 1\n"
                     f"repetitions: {reps}\nwarmup: 0\ntests:\n  - prompt: 16\n    generate: 4\n")
     return path
+
+
+def test_random_lists_the_stand_ins_a_real_file_is_timed_against(standin, tmp_path):
+    plan = load_scenario(_twin_scenario(tmp_path, standin, random="[twin, built]"),
+                         physical_cores=2)
+    models = list(dict.fromkeys(m.model for m in plan.measurements))
+    assert [m.dtype for m in models] == ["real", "twin", "built"]
+    assert all(m.twin_of == standin for m in models[1:])
+    plan = load_scenario(_twin_scenario(tmp_path, standin, random="built"), physical_cores=2)
+    assert [m.model.dtype for m in plan.measurements][:2] == ["real", "built"]
+
+
+def test_the_spec_built_file_is_checked_on_names_shapes_and_types(standin, tmp_path):
+    from harness.weights.gguf_inspect import file_dtype, spec_from_gguf
+    from harness.weights.twin import built_mismatch
+
+    assert file_dtype(standin).name == "q8_0"
+    built = build(spec_from_gguf(standin), DTYPES["q8_0"], directory=tmp_path).path
+    assert built_mismatch(standin, built) is None
+    other = build(spec_from_gguf(standin), DTYPES["f16"], directory=tmp_path).path
+    assert built_mismatch(standin, other) == (
+        "tensor token_embd.weight: type F16, the real file's is Q8_0")
+    wider = build(resolve_spec("tiny-llama"), DTYPES["q8_0"], directory=tmp_path).path
+    assert built_mismatch(standin, wider).startswith("the built file")
 
 
 def test_a_twin_of_entry_is_the_file_and_its_twin_compared_on_both_phases(standin, tmp_path):
@@ -191,9 +216,12 @@ def test_a_twin_of_entry_is_the_file_and_its_twin_compared_on_both_phases(standi
     ("{twin_of: nowhere.gguf}", "model file not found"),
     ("{twin_of: spec.yaml}", "twin_of names a GGUF file"),
     ("{twin_off: a.gguf}", "unknown key"),
+    ("{twin_of: REAL, random: clone}", "unknown random-weight file 'clone'"),
+    ("{twin_of: REAL, random: [twin, twin]}", "a kind is listed twice"),
 ])
-def test_a_bad_twin_of_entry_is_one_line(run_cli, tmp_path, entry, message):
+def test_a_bad_twin_of_entry_is_one_line(run_cli, standin, tmp_path, entry, message):
     path = tmp_path / "bad.yaml"
+    entry = entry.replace("REAL", str(standin))
     path.write_text(f"name: bad\nmodels:\n  - {entry}\ntests:\n  - prompt: 8\n")
     result = run_cli("check", str(path))
     assert result.exit_code == 2
@@ -237,6 +265,37 @@ def test_harness_twin_measures_a_file_against_its_twin(run_cli, standin, tmp_pat
     assert "random-weight twin ran" in result.stdout
     assert (out / "twin.yaml").exists() and (out / "report.md").exists()
     assert "Random weights against real weights" in (out / "report.md").read_text()
+
+
+def test_harness_twin_against_both_reports_the_twin_and_the_spec_built_file(
+        run_cli, standin, tmp_path, monkeypatch):
+    from harness import runner
+
+    monkeypatch.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+    out = tmp_path / "run"
+    result = run_cli("twin", str(standin), "--out", str(out), "--threads", "1", "--prompt",
+                     "16", "--generate", "4", "--repetitions", "3", "--min-repetitions", "3",
+                     "--against", "both")
+    assert result.exit_code == 0, result.stderr
+    assert "random-weight twin ran" in result.stdout and "spec-built file ran" in result.stdout
+    page = (out / "report.md").read_text()
+    assert "random ÷ real" in page and "| spec-built |" in page and "| twin |" in page
+
+
+def test_harness_twin_refuses_a_type_the_builder_cannot_make(run_cli, standin, tmp_path):
+    from harness.weights.gguf_inspect import open_gguf
+
+    odd = tmp_path / "odd.gguf"
+    reader = open_gguf(standin)
+    data = bytearray(standin.read_bytes())
+    field = reader.fields["general.file_type"]
+    offset = int(field.parts[field.data[0]].ctypes.data - reader.data.ctypes.data)
+    data[offset:offset + 4] = (99).to_bytes(4, "little")
+    odd.write_bytes(bytes(data))
+    result = run_cli("twin", str(odd), "--against", "built")
+    assert result.exit_code == 2
+    assert "general.file_type 99 names no type the builder makes" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_harness_twin_refuses_a_file_that_is_not_gguf(run_cli, tmp_path):

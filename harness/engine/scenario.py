@@ -46,20 +46,26 @@ def whole_blocks(n_cells: int) -> int:
     """n_cells rounded up to a multiple of CONTEXT_STEP."""
     return -(-n_cells // CONTEXT_STEP) * CONTEXT_STEP
 MAX_SECONDS = 7 * 24 * 3600
-TWIN_PAIR = ("real", "twin")  # the dtypes of a {twin_of: PATH} entry's two models
+# The dtypes of a {twin_of: PATH} entry's models: the real file, and the random-weight files it
+# is timed against (its twin, and with `random: built` the builder's file of its header's spec)
+TWIN_PAIR = ("real", "twin", "built")
+RANDOM_KINDS = TWIN_PAIR[1:]
+RANDOM_WORDS = {"twin": "its random-weight twin",
+                "built": "the random-weight file the builder makes from its header's spec"}
 _LEVERS = ["depth", "kv_cache_type", "parallel", "shared_prefix"]
 _TEST_KEYS = ["name", "prompt", "generate", "models", "dtypes", *_LEVERS, *_OVERRIDES]
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model named by a scenario: a spec (built on demand), a GGUF file, or the random-weight
-    twin of one ({twin_of: PATH} names the file, as dtype "real", and its twin, dtype "twin")."""
+    """A model named by a scenario: a spec (built on demand), a GGUF file, or a random-weight
+    stand-in for one ({twin_of: PATH} names the file, as dtype "real", and its twin, dtype
+    "twin", or the builder's file of the spec its header gives, dtype "built")."""
 
     ref: str
     spec_name: str | None  # None for a .gguf path or a twin
     gguf_path: Path | None  # the file measured; None for a spec or a twin (built on demand)
-    dtype: str  # the dtype to build; "file" for a .gguf path; "real" or "twin" in a twin pair
+    dtype: str  # the dtype to build; "file" for a .gguf path; "real", "twin" or "built" in a pair
     max_context: int  # the model's trained context length
     head_dim: int = 0  # per-head K/V size, which a quantized KV cache's blocks must divide
     twin_of: Path | None = None  # the real file a twin copies
@@ -282,13 +288,12 @@ def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = Non
     out: list[ModelRef] = []
     for i, ref in enumerate(refs):
         key = path + ("models", i)
-        twin = isinstance(ref, dict)
-        if twin:
-            check_keys(doc, key, ref, ["twin_of"], ("twin_of",))
+        random = _random_kinds(doc, key, ref) if isinstance(ref, dict) else None
+        if random:
             key, ref = key + ("twin_of",), ref["twin_of"]
         ref = _beside(want_str(doc, key, ref), Path(doc.source).parent)
         try:
-            out += _resolve_twin(ref) if twin else _resolve_model(ref, kinds)
+            out += _resolve_twin(ref, random) if random else _resolve_model(ref, kinds)
         except HarnessError as exc:
             raise doc.error(key, exc.render()) from None
     labels = [(m.label, m.dtype) for m in out]
@@ -322,28 +327,50 @@ def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
 
 def twin_scenario_text(real: Path, threads: int | str, prompt: int, generate: int,
                        repetitions: int | str, min_repetitions: int, max_repetitions: int,
-                       target_ci: float, mmap: bool = True) -> str:
-    """The scenario `harness twin` runs: the real file beside its twin, one test."""
+                       target_ci: float, mmap: bool = True,
+                       random: tuple[str, ...] = ("twin",)) -> str:
+    """The scenario `harness twin` runs: the real file beside its twin (or the spec-built
+    file, or both), one test."""
     import yaml
 
     doc = {"name": f"twin-{real.stem}",
            "title": f"{real.stem}: random weights against real weights",
-           "description": f"{real.name} and its random-weight twin, timed round by round "
-                          "(written by harness twin).",
-           "models": [{"twin_of": str(real.resolve())}], "threads": threads,
+           "description": f"{real.name} and " + " and ".join(RANDOM_WORDS[k] for k in random)
+                          + ", timed round by round (written by harness twin).",
+           "models": [{"twin_of": str(real.resolve())}
+                      | ({"random": list(random)} if tuple(random) != ("twin",) else {})],
+           "threads": threads,
            "repetitions": repetitions, "min_repetitions": min_repetitions,
            "max_repetitions": max_repetitions, "target_ci": target_ci, "mmap": mmap,
            "tests": [{"name": "prefill and decode", "prompt": prompt, "generate": generate}]}
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 
-def _resolve_twin(ref: str) -> list[ModelRef]:
-    """A real GGUF file and its random-weight twin, compared on every phase."""
+def _random_kinds(doc: Doc, path: tuple, entry: dict) -> list[str]:
+    """The random-weight files a {twin_of: PATH, random: ...} entry times the real file
+    against: its twin (the default), the spec-built file, or both."""
+    check_keys(doc, path, entry, ["twin_of", "random"], ("twin_of",))
+    kinds = _list(doc, path + ("random",), entry.get("random", ["twin"]), allow_scalar=True)
+    for i, kind in enumerate(kinds):
+        if kind not in RANDOM_KINDS:
+            raise doc.error(path + ("random", i), f"unknown random-weight file {kind!r}",
+                            fix="write twin, built, or [twin, built]")
+    if len(set(kinds)) != len(kinds):
+        raise doc.error(path + ("random",), "a kind is listed twice", fix="list each once")
+    return kinds
+
+
+def _resolve_twin(ref: str, random: list[str]) -> list[ModelRef]:
+    """A real GGUF file and its random-weight stand-ins, compared on every phase."""
     if not ref.endswith(".gguf"):
         raise HarnessError("twin_of names a GGUF file", fix="write twin_of: path/to/model.gguf")
     real = _resolve_model(ref, [])[0]
-    return [replace(real, dtype="real"),
-            replace(real, gguf_path=None, dtype="twin", twin_of=real.gguf_path)]
+    if "built" in random:
+        from ..weights.gguf_inspect import file_dtype
+
+        file_dtype(real.gguf_path)  # refuses a file type the builder cannot make, now
+    return [replace(real, dtype="real")] + [
+        replace(real, gguf_path=None, dtype=kind, twin_of=real.gguf_path) for kind in random]
 
 
 def _threads(doc: Doc, path: tuple, value: object, physical_cores: int) -> list[int]:

@@ -184,7 +184,7 @@ def _attention_clause(a: dict, long: dict) -> str:
 
 
 FILE_TYPES = {"file": "the given file", "real": "the real file",
-              "twin": "its random-weight twin"}
+              "twin": "its random-weight twin", "built": "its spec-built stand-in"}
 
 
 def type_words(dtype: str) -> str:

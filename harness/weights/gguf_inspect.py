@@ -9,6 +9,7 @@ import numpy as np
 from gguf import GGUFReader, Keys
 
 from ..core.costs import TensorEntry
+from ..core.dtypes import DTYPES, DType
 from ..core.errors import HarnessError
 from ..core.specs import ARCHS, ModelSpec
 
@@ -31,6 +32,19 @@ def _field(reader: GGUFReader, key: str, default=None):
 
 
 GGUF_MAGIC = b"GGUF"
+
+
+def file_dtype(path: Path) -> DType:
+    """The builder's dtype whose recipe a file's general.file_type names (the type a
+    spec-built stand-in for it is made at)."""
+    file_type = _field(open_gguf(path), "general.file_type")
+    for dtype in DTYPES.values():
+        if file_type is not None and int(dtype.file_type) == int(file_type):
+            return dtype
+    raise HarnessError(f"general.file_type {file_type} names no type the builder makes",
+                       source=str(path), key="general.file_type",
+                       fix="time it against its twin (random: twin); the builder makes "
+                           + ", ".join(DTYPES))
 
 
 def is_gguf(path: Path) -> bool:

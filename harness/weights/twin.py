@@ -161,3 +161,20 @@ def twin_mismatch(real: Path, twin: Path) -> str | None:
             if mine != theirs:
                 return f"tensor {index} ({x.name}): {what} {mine}, the real file's is {theirs}"
     return None
+
+
+def built_mismatch(real: Path, built: Path) -> str | None:
+    """The first way a spec-built file's tensors differ from the real file's (names, then
+    each tensor's shape and type; the order and offsets may differ), or None."""
+    a = {t.name: t for t in open_gguf(real).tensors}
+    b = {t.name: t for t in open_gguf(built).tensors}
+    if missing := sorted(a.keys() - b.keys()) or sorted(b.keys() - a.keys()):
+        where = "lacks" if missing[0] in a else "adds"
+        return f"the built file {where} tensor {missing[0]}"
+    for name, x in a.items():
+        y = b[name]
+        for what, mine, theirs in (("shape", list(y.shape), list(x.shape)),
+                                   ("type", y.tensor_type.name, x.tensor_type.name)):
+            if mine != theirs:
+                return f"tensor {name}: {what} {mine}, the real file's is {theirs}"
+    return None
