@@ -101,11 +101,63 @@ def test_no_two_experts_hold_the_same_bytes(tmp_path, monkeypatch):
         write_gguf(resolve_spec(name), DTYPES["f16"], 0, path)
         assert identical_weights(path) == []
     dup = tmp_path / "dup.gguf"
-    monkeypatch.setattr(gguf_build, "pool_starts", lambda spec, tensors, seed, n: [
+    monkeypatch.setattr(gguf_build, "pool_starts", lambda spec, tensors, seed, n, spread: [
         [0] * (t.plan.shape[0] if t.plan.role == "expert" else 1) for t in tensors])
     write_gguf(resolve_spec("tiny-olmoe"), DTYPES["f16"], 0, dup)
     assert ("blk.0.ffn_gate_exps.weight[0]", "blk.0.ffn_gate_exps.weight[1]") in (
         identical_weights(dup))
+
+
+def _log2_block_max(path, role: str) -> np.ndarray:
+    """log2 of every 32-block's largest magnitude over a role's 2-D tensors, per tensor RMS."""
+    out = []
+    for t in GGUFReader(path).tensors:
+        if t.name.endswith(f"{role}.weight") and len(t.shape) > 1:
+            values = np.asarray(t.data, dtype=np.float32)
+            rms = np.sqrt(np.mean(np.square(values)))
+            out.append(np.log2(np.abs(values.reshape(-1, 32)).max(axis=1) / rms))
+    return np.concatenate(out)
+
+
+def test_the_source_of_quantized_builds_spreads_block_maxima_as_trained_weights(tmp_path):
+    spec = resolve_spec("tiny-llama")
+    plain, spread = tmp_path / "plain.gguf", tmp_path / "spread.gguf"
+    write_gguf(spec, DTYPES["f16"], 0, plain)
+    assert write_gguf(spec, DTYPES["f16"], 0, spread, spread=True) == file_n_bytes(
+        spec, DTYPES["f16"], spread=True)
+    normal = _log2_block_max(plain, "attn_q").std()
+    # attn_q: Student-t with 6 degrees of freedom, blocks scaled by exp(0.5 x a normal); the
+    # 1st to 99th percentile of Gemma 3 270M's attn_q block maxima span 4.1 binades
+    q = _log2_block_max(spread, "attn_q")
+    assert normal < 0.35 and q.std() > 0.7 and np.ptp(np.percentile(q, [1, 99])) > 3.5
+    # attn_v: nearly normal in the real model, and so here (t with 12, no block factor)
+    assert _log2_block_max(spread, "attn_v").std() < 0.45
+    for t in GGUFReader(spread).tensors:  # each role keeps its RMS
+        if len(t.shape) > 1:
+            rms = float(np.sqrt(np.mean(np.square(np.asarray(t.data, dtype=np.float32)))))
+            assert abs(rms - WEIGHT_STD) < 0.15 * WEIGHT_STD, t.name
+
+
+def test_quantized_builds_are_made_from_the_spread_source_and_direct_ones_are_not(tmp_path):
+    spec = resolve_spec("tiny-llama")
+    q8 = build(spec, DTYPES["q8_0"], directory=tmp_path)
+    sources = sorted(p.name for p in tmp_path.glob("*.gguf") if "-f16" in p.name)
+    assert len(sources) == 1 and "-f16-spread-" in sources[0]
+    assert build_mod.read_manifest(tmp_path / sources[0])["builder_version"] == 2
+    assert build_mod.read_manifest(q8.path)["spread"] is True
+    f16 = build(spec, DTYPES["f16"], directory=tmp_path)
+    assert "-spread-" not in f16.path.name and not build_mod.read_manifest(f16.path)["spread"]
+    reader = GGUFReader(q8.path)
+    scales = np.concatenate([np.asarray(t.data).reshape(-1, 34)[:, :2].copy().view(np.float16)
+                             for t in reader.tensors if t.name.endswith("attn_q.weight")])
+    assert np.log2(np.abs(scales.astype(np.float32))).std() > 0.7  # the spread survives
+
+
+def test_no_two_experts_of_a_spread_build_hold_the_same_bytes(tmp_path):
+    for name in ("tiny-olmoe", "tiny-qwen2moe", "tiny-mixtral"):
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(resolve_spec(name), DTYPES["f16"], 0, path, spread=True)
+        assert identical_weights(path) == []
 
 
 def test_dense_weights_are_the_bytes_of_builder_version_1(tmp_path):

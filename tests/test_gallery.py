@@ -90,3 +90,22 @@ def test_gallery_cli_writes_the_page(run_cli, fleet, tmp_path):
     result = run_cli("gallery", str(fleet), "--out", str(tmp_path / "g"))
     assert result.exit_code == 0 and result.stdout.strip().endswith("gallery.md")
     assert "2 machines" in (tmp_path / "g" / "gallery.md").read_text()
+
+
+def test_a_decode_above_its_ceiling_is_said_in_its_row(fleet, tmp_path, monkeypatch):
+    from harness.report import gallery
+
+    page = write_gallery([fleet], tmp_path / "plain", None).read_text()
+    assert "above ceiling" not in page and "| notes |" not in page
+    original = gallery.decode_table
+
+    def one_flagged(data):
+        first = next(iter(data["machines"].values()))
+        row = next(iter(first["decode"].values()))
+        row["flags"] = [*row["flags"], "above-ceiling"]
+        return original(data)
+
+    monkeypatch.setattr(gallery, "decode_table", one_flagged)
+    page = write_gallery([fleet], tmp_path / "flagged", None).read_text()
+    assert "| notes |" in page and page.count("| above ceiling |") == 1
+    assert "flagged above-ceiling when its whole 95% interval lies above 100%" in page

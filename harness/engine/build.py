@@ -47,9 +47,18 @@ def cache_dir(override: str | Path | None = None) -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("harness")) / "models"
 
 
-def cache_key(spec: ModelSpec, dtype: DType, seed: int) -> str:
+def _spread(dtype: DType, spread: bool | None) -> bool:
+    """Whether a build's values have trained weights' block spread: a quantized type's always
+    (made from such a source), a direct type's only as that source."""
+    return not dtype.direct if spread is None else spread
+
+
+def cache_key(spec: ModelSpec, dtype: DType, seed: int, spread: bool | None = None) -> str:
     """Spec content, dtype, seed, builder version (and the quantizer's llama.cpp commit)."""
-    parts = [spec.content_hash(), dtype.name, str(seed), str(builder_version(spec))]
+    spread = _spread(dtype, spread)
+    parts = [spec.content_hash(), dtype.name, str(seed), str(builder_version(spec, spread))]
+    if spread:
+        parts.append("spread")
     if not dtype.direct:
         from .llama import version_info
 
@@ -57,29 +66,31 @@ def cache_key(spec: ModelSpec, dtype: DType, seed: int) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-def estimated_n_bytes(spec: ModelSpec, dtype: DType) -> int:
+def estimated_n_bytes(spec: ModelSpec, dtype: DType, spread: bool = False) -> int:
     """Exact for written types; for quantized ones an upper estimate (recipes mix in types)."""
     if dtype.direct:
-        return file_n_bytes(spec, dtype)
+        return file_n_bytes(spec, dtype, spread)
     bits = max(dtype.bits_per_weight, 6.5625)  # output/attn_v tensors are often kept at Q6_K
     return int(n_params(spec) * bits / 8 * 1.1) + (16 << 20)
 
 
-def cache_target(spec: ModelSpec, dtype: DType, seed: int, directory: Path) -> Path:
-    """Where the cache keeps this build."""
-    key = cache_key(spec, dtype, seed)[:16]
-    return directory / f"{spec.name}-{dtype.name}-s{seed}-{key}.gguf"
+def cache_target(spec: ModelSpec, dtype: DType, seed: int, directory: Path,
+                 spread: bool | None = None) -> Path:
+    """Where the cache keeps this build (a quantized build's source named -f16-spread)."""
+    key = cache_key(spec, dtype, seed, spread)[:16]
+    kind = "-spread" if dtype.direct and _spread(dtype, spread) else ""
+    return directory / f"{spec.name}-{dtype.name}{kind}-s{seed}-{key}.gguf"
 
 
 def missing_build_n_bytes(spec: ModelSpec, dtype: DType, seed: int,
-                          directory: Path | None = None) -> int:
+                          directory: Path | None = None, spread: bool | None = None) -> int:
     """Disk a build would still need: 0 when cached (a quantized type also needs its source)."""
     directory = cache_dir(directory)
     need = 0
-    if not valid_cache_entry(cache_target(spec, dtype, seed, directory)):
-        need += estimated_n_bytes(spec, dtype)
+    if not valid_cache_entry(cache_target(spec, dtype, seed, directory, spread)):
+        need += estimated_n_bytes(spec, dtype, _spread(dtype, spread))
         if not dtype.direct:
-            need += missing_build_n_bytes(spec, DTYPES[QUANT_SOURCE], seed, directory)
+            need += missing_build_n_bytes(spec, DTYPES[QUANT_SOURCE], seed, directory, True)
     return need
 
 
@@ -92,11 +103,14 @@ def check_build_space(need_bytes: int, directory: Path | None = None) -> None:
 
 
 def build(spec: ModelSpec, dtype: DType, seed: int = 0, *, directory: Path | None = None,
-          out: Path | None = None, progress: Progress | None = None) -> BuiltModel:
-    """Return the cached file, or build it (or write it to out, bypassing the cache)."""
+          out: Path | None = None, progress: Progress | None = None,
+          spread: bool | None = None) -> BuiltModel:
+    """Return the cached file, or build it (or write it to out, bypassing the cache); spread
+    (a direct type only): write the block-spread values quantized builds are made from."""
     directory = cache_dir(directory)
     _ensure_writable_dir(directory, "cache directory", "--cache-dir or HARNESS_CACHE_DIR")
-    target = out or cache_target(spec, dtype, seed, directory)
+    spread = _spread(dtype, spread)
+    target = out or cache_target(spec, dtype, seed, directory, spread)
     if out:
         _ensure_writable_dir(out.parent, "output directory", "choose another --out")
     with FileLock(str(directory / (target.name + ".lock"))):
@@ -104,20 +118,23 @@ def build(spec: ModelSpec, dtype: DType, seed: int = 0, *, directory: Path | Non
             return BuiltModel(target, spec, dtype.name, seed, target.stat().st_size, True, 0.0)
         start = time.perf_counter()
         source = None if dtype.direct else build(spec, DTYPES[QUANT_SOURCE], seed,
-                                                 directory=directory, progress=progress)
-        _ensure_free_space(target.parent, estimated_n_bytes(spec, dtype))
-        n_bytes = _write_atomically(target, spec, dtype, seed, source, progress)
+                                                 directory=directory, progress=progress,
+                                                 spread=True)
+        _ensure_free_space(target.parent, estimated_n_bytes(spec, dtype, spread))
+        n_bytes = _write_atomically(target, spec, dtype, seed, source, progress, spread)
         if not out:
-            _write_manifest(target, spec, dtype, seed, n_bytes)
+            _write_manifest(target, spec, dtype, seed, n_bytes, spread)
         return BuiltModel(target, spec, dtype.name, seed, n_bytes, False,
                           time.perf_counter() - start)
 
 
 def _write_atomically(target: Path, spec: ModelSpec, dtype: DType, seed: int,
-                      source: BuiltModel | None, progress: Progress | None) -> int:
+                      source: BuiltModel | None, progress: Progress | None,
+                      spread: bool = False) -> int:
     def write(tmp: Path) -> None:
         if source is None:
-            write_gguf(spec, dtype, seed, tmp, _stepper(file_n_bytes(spec, dtype), progress))
+            write_gguf(spec, dtype, seed, tmp,
+                       _stepper(file_n_bytes(spec, dtype, spread), progress), spread)
         else:
             from .llama import quantize
 
@@ -161,10 +178,12 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _write_manifest(path: Path, spec: ModelSpec, dtype: DType, seed: int, n_bytes: int) -> None:
+def _write_manifest(path: Path, spec: ModelSpec, dtype: DType, seed: int, n_bytes: int,
+                    spread: bool = False) -> None:
     """Written after the rename: a GGUF without its manifest is never taken as a hit."""
-    record = {"builder_version": builder_version(spec), "spec": spec.to_dict(), "dtype": dtype.name,
-              "seed": seed, "n_bytes": n_bytes, "n_params": n_params(spec), "sha256": None}
+    record = {"builder_version": builder_version(spec, spread), "spread": spread,
+              "spec": spec.to_dict(), "dtype": dtype.name, "seed": seed, "n_bytes": n_bytes,
+              "n_params": n_params(spec), "sha256": None}
     write_json_atomically(manifest_path(path), record)
 
 

@@ -106,14 +106,16 @@ def decode_table(data: dict) -> Table:
                              if r["share_of_stream"] is not None else None),
                          "predicted": predicted,
                          "common": "yes" if (model, dtype) in set(data["common"]) else "",
-                         "run": r["run"]})
+                         "run": r["run"],
+                         "flag": "above ceiling" if "above-ceiling" in r["flags"] else ""})
     return Table("gallery_decode", "Decode on every machine", [
         Column("machine", "machine"), Column("model", "model"), Column("dtype", "dtype"),
         Column("threads", "threads", "int"), Column("decode tok/s", "tok_s", "stat"),
         Column("effective GB/s", "gb_s", "f1"), Column("share of streaming ceiling", "share",
                                                         "pctci"),
         Column("ceiling ÷ bytes (tok/s)", "predicted", "f1"),
-        Column("on every machine", "common"), Column("run", "run")], rows,
+        Column("on every machine", "common"), Column("run", "run"),
+        *([Column("notes", "flag")] if any(r["flag"] for r in rows) else [])], rows,
         ["ceiling ÷ bytes: the tok/s the machine's own streaming ceiling (llama.cpp's kernel, "
          "measured in the run) predicts for the bytes one decode step reads. tok/s carries the "
          "95% interval of its machine's long-run median, the share its round-by-round "

@@ -331,7 +331,8 @@ def twin_section(a: dict) -> list[str]:
     return ["## Random weights against real weights", "",
             "Not checked in this run: every model here has random weights. To time a real "
             "GGUF file beside its random-weight twin, add `- twin_of: path/to/model.gguf` to "
-            "the scenario's models, or run `harness twin path/to/model.gguf`.", ""]
+            "the scenario's models, or run `harness twin path/to/model.gguf` (`--against "
+            "built` for the file the builder makes of its spec, as every run times).", ""]
 
 
 MODEL_NAME = re.compile(r"\b[A-Za-z][A-Za-z0-9.]*(?:-[A-Za-z0-9.]+)+\b")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from ..core.specs import ARCHS, ModelSpec, TensorPlan, tensor_plan
 # per family, so that a change to how mixtures of experts are written leaves dense files (and
 # the runs made on them) as they were.
 BUILDER_VERSIONS = {"dense": 1, "moe": 2}
+# The F16 file quantized builds are made from (block spread, below): its own versions, so that
+# direct files keep their bytes.
+SPREAD_VERSIONS = {"dense": 2, "moe": 3}
 WEIGHT_STD = 0.02  # the init scale of GPT-2/Llama-style models: keeps logits finite
 # Mixtures of experts only (docs/twins.md, "Expert routing"): with every tensor at N(0, 0.02),
 # attention builds a per-sequence average that dominates the hidden state, so a sequence's
@@ -30,6 +34,19 @@ WEIGHT_STD = 0.02  # the init scale of GPT-2/Llama-style models: keeps logits fi
 # GPT-2 paper's init, as nanoGPT writes it) keep each token's own state in charge of routing.
 MOE_EMBEDDING_STD = 1.0
 RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+# Quantized builds only (docs/twins.md, "Quantized builds get trained weights' spread"). ggml's
+# quantized dot products look each block's F16 scale up in a 256 KiB table; how many of its
+# cache lines a matrix touches moved one kernel by 4% on an EPYC (a real Q8_0 matrix against
+# normal weights of its shape). So each tensor role gets the spread of block maxima trained
+# weights have: (Student-t degrees of freedom, 0 for normal; sigma of a lognormal factor on
+# each block of 32), fitted to the 1st, 50th and 99th percentiles of log2(block max / tensor
+# RMS) in Gemma 3 270M's tensors (medians over its 18 layers). Each role keeps its RMS. F32,
+# F16 and BF16 weights have no block scales: direct files keep N(0, std) and their bytes.
+BLOCK = 32  # weights per block of ggml's 32-wide types, and per sub-block of the K-quants
+BLOCK_SPREAD = {"token_embd": (5, 0.1), "output": (5, 0.1), "attn_q": (6, 0.5),
+                "attn_k": (0, 0.4), "attn_v": (12, 0.0), "attn_output": (0, 0.3),
+                "ffn_gate": (8, 0.3), "ffn_up": (0, 0.2), "ffn_down": (12, 0.1)}
+OTHER_SPREAD = (12, 0.1)  # roles Gemma 3 has no tensor of (routers, fused QKV): ffn_down's
 # 2**24 normal floats (64 MiB at F32), made once per build and laid across the tensors at
 # random offsets. Caches and prefetchers work on addresses, not values, so every tensor still
 # occupies its own bytes of the file and is read from memory in full: the same traffic and the
@@ -60,38 +77,54 @@ def planned_tensors(spec: ModelSpec, dtype: DType) -> list[PlannedTensor]:
             for t in tensor_plan(spec)]
 
 
-def file_n_bytes(spec: ModelSpec, dtype: DType) -> int:
+def file_n_bytes(spec: ModelSpec, dtype: DType, spread: bool = False) -> int:
     """Exact size of the directly written file, header and padding included."""
     tensors = planned_tensors(spec, dtype)
-    header = _metadata_n_bytes(spec) + sum(_tensor_info_n_bytes(t.plan) for t in tensors)
+    header = _metadata_n_bytes(spec, spread) + sum(_tensor_info_n_bytes(t.plan)
+                                                   for t in tensors)
     return _pad(header) + sum(_pad(t.n_bytes) for t in tensors)
 
 
 @functools.lru_cache(maxsize=64)
-def _metadata_n_bytes(spec: ModelSpec) -> int:
+def _metadata_n_bytes(spec: ModelSpec, spread: bool) -> int:
     # Every KV has a fixed size whatever the dtype and seed (both are fixed-width integers).
-    return _kv_n_bytes(_writer_with_metadata(spec, DTYPES["f32"], seed=0))
+    return _kv_n_bytes(_writer_with_metadata(spec, DTYPES["f32"], seed=0, spread=spread))
 
 
 def write_gguf(spec: ModelSpec, dtype: DType, seed: int, path: Path,
-               progress: Callable[[int], None] | None = None) -> int:
-    """Write the file at path (the caller renames it into place) and return its size."""
-    writer = _writer_with_metadata(spec, dtype, seed)
+               progress: Callable[[int], None] | None = None, spread: bool = False) -> int:
+    """Write the file at path (the caller renames it into place) and return its size;
+    spread: each role's block maxima spread as trained weights' (the source of quantized
+    builds)."""
+    writer = _writer_with_metadata(spec, dtype, seed, spread)
     tensors = planned_tensors(spec, dtype)
     for t in tensors:
         np_dtype, shape = _info_dtype_shape(t)
         writer.add_tensor_info(t.plan.name, shape, np_dtype, t.n_bytes, raw_dtype=t.ggml_type)
     pool_elements = min(POOL_ELEMENTS, max(t.plan.n_elements for t in tensors))
+    if spread:  # whole blocks, each tensor starting at one: its blocks are the pool's
+        pool_elements = -(-pool_elements // BLOCK) * BLOCK
     pools = _Pools(seed, pool_elements)
-    starts = pool_starts(spec, tensors, seed, pool_elements)
+    starts = pool_starts(spec, tensors, seed, pool_elements, spread)
     return write_tensor_data(writer, path, (
-        (t.n_bytes, pools.chunks(t, offsets, weight_std(spec, t.plan)))
+        (t.n_bytes, pools.chunks(t, offsets, weight_std(spec, t.plan),
+                                 block_spread(t.plan.name) if spread else None))
         for t, offsets in zip(tensors, starts, strict=True)), progress)
 
 
-def builder_version(spec: ModelSpec) -> int:
-    """The version of the bytes the builder writes for this spec's family."""
-    return BUILDER_VERSIONS["moe" if spec.is_moe else "dense"]
+def builder_version(spec: ModelSpec, spread: bool = False) -> int:
+    """The version of the bytes the builder writes for this spec's family (and for the
+    block-spread source of quantized builds)."""
+    return (SPREAD_VERSIONS if spread else BUILDER_VERSIONS)["moe" if spec.is_moe else "dense"]
+
+
+def block_spread(name: str) -> tuple[float, float]:
+    """A tensor's (Student-t degrees of freedom, block sigma) by its role: the name without
+    its layer, and an expert tensor as its dense counterpart."""
+    role = re.sub(r"^blk\.\d+\.", "", name).removesuffix(".weight")
+    for suffix in ("_exps", "_shexp"):
+        role = role.removesuffix(suffix)
+    return BLOCK_SPREAD.get(role, OTHER_SPREAD)
 
 
 def weight_std(spec: ModelSpec, plan: TensorPlan) -> float:
@@ -106,15 +139,18 @@ def weight_std(spec: ModelSpec, plan: TensorPlan) -> float:
 
 
 def pool_starts(spec: ModelSpec, tensors: list[PlannedTensor], seed: int,
-                pool_elements: int) -> list[list[int]]:
+                pool_elements: int, spread: bool = False) -> list[list[int]]:
     """Where in the pool each tensor starts reading (one start per expert of an expert tensor,
     all distinct, so no two experts are the same bytes; dense files keep one random start per
-    tensor, as written since builder version 1)."""
+    tensor, as written since builder version 1; a spread build starts every tensor and expert
+    at a block of the pool)."""
+    step = BLOCK if spread else 1
     if not spec.is_moe:
-        drawn = np.random.default_rng(seed + 1).integers(0, pool_elements, len(tensors))
-        return [[int(x)] for x in drawn]
+        rng = np.random.default_rng([seed, 4] if spread else seed + 1)
+        return [[int(x) * step] for x in rng.integers(0, pool_elements // step, len(tensors))]
     counts = [t.plan.shape[0] if t.plan.role == "expert" else 1 for t in tensors]
-    drawn = np.random.default_rng([seed, 1]).choice(pool_elements, sum(counts), replace=False)
+    drawn = np.random.default_rng([seed, 4] if spread else [seed, 1]).choice(
+        pool_elements // step, sum(counts), replace=False) * step
     bounds = np.cumsum([0, *counts])
     return [[int(x) for x in drawn[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
@@ -146,28 +182,49 @@ def write_tensor_data(writer: GGUFWriter, path: Path,
 
 
 class _Pools:
-    """One random block per tensor type, made once per build from the seed."""
+    """One random block per tensor type (and spread), made once per build from the seed."""
 
     def __init__(self, seed: int, n_elements: int) -> None:
+        self._seed = seed
         rng = np.random.default_rng(seed)
         self._base = rng.standard_normal(n_elements, dtype=np.float32) * np.float32(WEIGHT_STD)
-        self._cache: dict[tuple[GGMLQuantizationType, float], memoryview] = {}
+        self._cache: dict[tuple, memoryview] = {}
 
-    def _pool(self, ggml_type: GGMLQuantizationType, std: float) -> memoryview:
-        if (ggml_type, std) not in self._cache:
-            # WEIGHT_STD itself keeps the base unscaled: dense files' bytes stay as they were
-            values = self._base if std == WEIGHT_STD else self._base * np.float32(std / WEIGHT_STD)
-            self._cache[ggml_type, std] = memoryview(_encode(values, ggml_type)).cast("B")
-        return self._cache[ggml_type, std]
+    def _pool(self, ggml_type: GGMLQuantizationType, std: float,
+              spread: tuple[float, float] | None) -> memoryview:
+        if (ggml_type, std, spread) not in self._cache:
+            if spread:
+                values = self._spread(std, *spread)
+            else:  # WEIGHT_STD itself keeps the base unscaled: dense files' bytes stay
+                values = (self._base if std == WEIGHT_STD
+                          else self._base * np.float32(std / WEIGHT_STD))
+            self._cache[ggml_type, std, spread] = memoryview(_encode(values, ggml_type)).cast("B")
+        return self._cache[ggml_type, std, spread]
 
-    def chunks(self, t: PlannedTensor, starts: list[int],
-               std: float = WEIGHT_STD) -> Iterator[bytes | memoryview]:
+    def _spread(self, std: float, nu: float, sigma: float) -> np.ndarray:
+        """The base's normals made Student-t with nu degrees of freedom (0: left normal), each
+        block of BLOCK scaled by exp(sigma x a normal), the whole set to RMS std."""
+        values = self._base / np.float32(WEIGHT_STD)
+        if nu:
+            chi2 = np.random.default_rng([self._seed, 5, int(nu)]).chisquare(nu, values.size)
+            values = values * np.sqrt(nu / chi2).astype(np.float32)
+        if sigma:
+            blocks = np.random.default_rng([self._seed, 6]).standard_normal(values.size // BLOCK)
+            factor = np.exp(sigma * blocks).astype(np.float32)
+            values = (values.reshape(-1, BLOCK) * factor[:, None]).reshape(-1)
+        rms = np.sqrt(np.mean(np.square(values, dtype=np.float64)))
+        return values * np.float32(std / rms)
+
+    def chunks(self, t: PlannedTensor, starts: list[int], std: float = WEIGHT_STD,
+               spread: tuple[float, float] | None = None) -> Iterator[bytes | memoryview]:
         """The tensor's bytes: norms are ones, everything else comes from the random pool, read
         cyclically from each start (one start per equal slice: the experts of a 3-D tensor)."""
         if t.plan.role == "norm":
             yield np.ones(t.plan.n_elements, dtype=np.float32).tobytes()
             return
-        pool = self._pool(t.ggml_type, std)
+        if t.ggml_type == GGMLQuantizationType.F32 or len(t.plan.shape) == 1:
+            spread = None  # vectors and F32 tensors are not quantized
+        pool = self._pool(t.ggml_type, std, spread)
         item = GGML_QUANT_SIZES[t.ggml_type][1]
         for start in starts:
             start, remaining = start * item, t.n_bytes // len(starts)
@@ -225,13 +282,17 @@ def _array_items_n_bytes(items: list) -> int:
     return len(items) * (1 if isinstance(first, bool) else 4)  # gguf-py: INT32 / FLOAT32
 
 
-def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWriter:
+def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int,
+                          spread: bool = False) -> GGUFWriter:
     """A GGUFWriter holding every KV llama.cpp needs to load and describe the model."""
     w = GGUFWriter(None, spec.architecture)
     w.add_name(f"{spec.name} (random weights)")
     values = (f"random weights N(0, {WEIGHT_STD})" if not spec.is_moe else
               f"random weights N(0, {WEIGHT_STD}), token embeddings N(0, {MOE_EMBEDDING_STD}), "
               f"residual outputs N(0, {WEIGHT_STD}/sqrt(2 x layers))")
+    if spread:
+        values += (" at those RMS, spread per tensor role as trained weights' block maxima "
+                   "(Student-t values, lognormal block scales)")
     w.add_description(f"Synthetic model with the shapes of {spec.source or spec.name}; "
                       f"{values}, seed {seed}. Made by harness.")
     w.add_file_type(int(dtype.file_type))
@@ -256,7 +317,7 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int) -> GGUFWrite
     _add_experts(w, spec)
     _add_tokenizer(w, spec.vocab_size, ARCH_TOKENS.get(spec.architecture, ()))
     w.add_string("harness.version", __version__)
-    w.add_uint32("harness.builder_version", builder_version(spec))
+    w.add_uint32("harness.builder_version", builder_version(spec, spread))
     w.add_uint64("harness.seed", seed)
     w.add_string("harness.spec_sha256", spec.content_hash())
     return w

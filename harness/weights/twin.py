@@ -27,13 +27,12 @@ from gguf.quants import dequantize
 
 from .. import __version__
 from ..core.errors import HarnessError
-from .gguf_build import write_tensor_data
+from .gguf_build import BLOCK, write_tensor_data
 from .gguf_inspect import open_gguf
 
 # Bump when the bytes a twin gets change: it is part of every twin's cache key.
 TWIN_VERSION = 1
 ROWS_PER_CHUNK = 4096  # rows dequantized, drawn and quantized at a time (bounded memory)
-BLOCK = 32  # weights per block of ggml's 32-wide types, and per sub-block of the K-quants
 DIRECT = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 # (type, F32 rows) -> the rows' bytes in that type; engine.llama.quantize_rows is ggml's.
 Quantizer = Callable[[GGMLQuantizationType, np.ndarray], bytes]
