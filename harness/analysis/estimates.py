@@ -223,7 +223,7 @@ def predictions(mm: dict, specs: dict[str, ModelSpec], run_models: list[str],
             continue
         for dtype in dtypes:
             if dtype not in DTYPES and f"{name}|{dtype}" not in (mm.get("models") or {}):
-                continue  # a given file's own type ("file", "real", "twin"): that model only
+                continue  # a given file's own type ("file", "real", "twin", "built"): one model
             here = estimate(mm, spec, dtype, context=0)
             kv_fit = kv_bytes(spec, FIT_CONTEXT)
             rows.append(here | {"moe": spec.is_moe, "measured": any(

@@ -1,5 +1,6 @@
 """Random weights against real weights: a real GGUF file measured beside its random-weight
-twin (same header, tensor table and block magnitudes; random values), round by round.
+twin (same header, tensor table and block magnitudes; random values), or beside the builder's
+file of the spec its header gives (what every run times), round by round.
 
 The lever's analysis (rows from the stored records), its report table and its plot."""
 
