@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import __version__
 from .core.costs import kv_n_bytes_per_token, model_costs
-from .core.dtypes import DTYPES
+from .core.dtypes import DTYPES, DType
 from .core.errors import HarnessError, MeasurementError
 from .core.rounds import contrast_pairs, group_by_memory, round_order, stop_reason, widest_ci
 from .core.specs import ModelSpec, resolve_spec
@@ -535,11 +535,16 @@ def _model_file(ref: ModelRef, seed: int, cache_dir: Path | None, console: Conso
         if (seconds := time.perf_counter() - start) > 1:
             console.info(f"built {path.name}, the random-weight twin, in {seconds:.1f} s")
         return path
-    spec = resolve_spec(ref.ref)
+    return _build(resolve_spec(ref.ref), DTYPES[ref.dtype], seed, cache_dir, console)
+
+
+def _build(spec: ModelSpec, dtype: DType, seed: int, cache_dir: Path | None, console: Console,
+           what: str = "") -> Path:
+    """The cached build of spec at dtype, saying how long it took when it had to be made."""
     start = time.perf_counter()
-    built = build(spec, DTYPES[ref.dtype], seed, directory=cache_dir)
+    built = build(spec, dtype, seed, directory=cache_dir)
     if not built.cached:
-        console.info(f"built {built.path.name} in {time.perf_counter() - start:.1f} s")
+        console.info(f"built {built.path.name}{what} in {time.perf_counter() - start:.1f} s")
     return built.path
 
 
@@ -550,15 +555,12 @@ def _built_stand_in(real: Path, seed: int, cache_dir: Path | None, console: Cons
     from .weights.gguf_inspect import file_dtype
     from .weights.twin import built_mismatch
 
-    start = time.perf_counter()
-    built = build(spec_from_gguf(real), file_dtype(real), seed, directory=cache_dir)
-    if not built.cached:
-        console.info(f"built {built.path.name}, the spec-built file, in "
-                     f"{time.perf_counter() - start:.1f} s")
-    if problem := built_mismatch(real, built.path):
+    path = _build(spec_from_gguf(real), file_dtype(real), seed, cache_dir, console,
+                  ", the spec-built file,")
+    if problem := built_mismatch(real, path):
         raise HarnessError(f"the spec-built file does not match the real file: {problem}",
                            source=str(real), fix="time it against its twin (random: twin)")
-    return built.path
+    return path
 
 
 def _model_record(writer: RunWriter, ref: ModelRef, path: Path, model,

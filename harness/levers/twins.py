@@ -77,7 +77,7 @@ def twin_sentence(row: dict) -> str:
     ci = r.get("median_ci95")
     interval = f" (95% interval {ci[0]:.3f}–{ci[1]:.3f})" if ci else ""
     return (f"{row['phase'].capitalize()} of {row['model']}: "
-            f"{RANDOM_NAMES[row.get('random', 'twin')]} ran "
+            f"{RANDOM_NAMES[row['random']]} ran "
             f"{r['median']:.3f}× the real file's tok/s{interval} over {row['n_pairs']} paired "
             f"rounds, {VERDICT_WORDS[row['verdict']]}.")
 
@@ -85,10 +85,10 @@ def twin_sentence(row: dict) -> str:
 def twin_finding(rows: list[dict]) -> str:
     """The plot's title: each phase's random ÷ real with its interval."""
     parts = []
-    both = len({r.get("random", "twin") for r in rows}) > 1
+    both = len({r["random"] for r in rows}) > 1
     for r in rows:
         ci = r["ratio"].get("median_ci95")
-        parts.append((f"{SHORT_NAMES[r.get('random', 'twin')]} " if both else "")
+        parts.append((f"{SHORT_NAMES[r['random']]} " if both else "")
                      + f"{r['phase']} {r['ratio']['median']:.3f}"
                      + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else ""))
     return "Random ÷ real weights, tok/s: " + "; ".join(parts)
@@ -102,11 +102,11 @@ def twin_table(analysis: dict) -> list[Table]:
     if not rows:
         return []
     shown = [r | {"verdict_words": VERDICT_WORDS[r["verdict"]],
-                  "random_words": SHORT_NAMES[r.get("random", "twin")],
+                  "random_words": SHORT_NAMES[r["random"]],
                   "worst_rms": (r["calibration"] or {}).get("worst_rms_ratio"),
                   "pairs_range": _range(r["per_round"]),
                   "huge_words": _huge_words(r["huge_mapped"])} for r in rows]
-    kinds = {r.get("random", "twin") for r in rows}
+    kinds = {r["random"] for r in rows}
     notes = [_twin_note(kinds)]
     columns = [Column("model", "model"),
                *([Column("random weights", "random_words")] if kinds != {"twin"} else []),
@@ -173,9 +173,9 @@ def twin_plot(analysis: dict, out_dir: Path) -> str | None:
     # the band is named in the axis label: a legend inside the axes covered rounds near ±2%
     ax.axvspan(1 - TOLERANCE, 1 + TOLERANCE, color="C2", alpha=0.15)
     ax.axvline(1.0, color="black", lw=0.8)
-    kinds = {r.get("random", "twin") for r in rows}
+    kinds = {r["random"] for r in rows}
     ax.set_yticks(range(len(rows)), [
-        f"{r['model']}\n" + (f"{SHORT_NAMES[r.get('random', 'twin')]} " if kinds != {"twin"}
+        f"{r['model']}\n" + (f"{SHORT_NAMES[r['random']]} " if kinds != {"twin"}
                              else "") + r["phase"] for r in rows], fontsize=8)
     ax.set_xlabel(("twin" if kinds == {"twin"} else "random")
                   + " ÷ real tok/s (dots: rounds; bar: 95% interval; green: ±2%)")

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from .. import __version__
 from ..core.errors import HarnessError
 from .gguf_build import BLOCK, write_tensor_data
-from .gguf_inspect import open_gguf
+from .gguf_inspect import open_gguf, tensor_table
 
 # Bump when the bytes a twin gets change: it is part of every twin's cache key.
 TWIN_VERSION = 1
@@ -165,15 +165,14 @@ def twin_mismatch(real: Path, twin: Path) -> str | None:
 def built_mismatch(real: Path, built: Path) -> str | None:
     """The first way a spec-built file's tensors differ from the real file's (names, then
     each tensor's shape and type; the order and offsets may differ), or None."""
-    a = {t.name: t for t in open_gguf(real).tensors}
-    b = {t.name: t for t in open_gguf(built).tensors}
+    a = {t.name: t for t in tensor_table(real)}
+    b = {t.name: t for t in tensor_table(built)}
     if missing := sorted(a.keys() - b.keys()) or sorted(b.keys() - a.keys()):
         where = "lacks" if missing[0] in a else "adds"
         return f"the built file {where} tensor {missing[0]}"
     for name, x in a.items():
-        y = b[name]
-        for what, mine, theirs in (("shape", list(y.shape), list(x.shape)),
-                                   ("type", y.tensor_type.name, x.tensor_type.name)):
+        for what, mine, theirs in (("shape", list(b[name].shape), list(x.shape)),
+                                   ("type", b[name].type_name, x.type_name)):
             if mine != theirs:
                 return f"tensor {name}: {what} {mine}, the real file's is {theirs}"
     return None
