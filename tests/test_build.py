@@ -12,7 +12,7 @@ from harness.core.specs import n_params, resolve_spec, tensor_plan
 from harness.engine import build as build_mod
 from harness.engine.build import build, cache_dir, valid_cache_entry
 from harness.engine.llama import Context, ContextParams, Model
-from harness.weights import gguf_build
+from harness.weights import gguf_build, locality
 from harness.weights.gguf_build import WEIGHT_STD, file_n_bytes, write_gguf
 from harness.weights.gguf_inspect import identical_weights, tensor_data_span
 
@@ -78,16 +78,34 @@ def test_weights_have_realistic_scale():
     assert not np.array_equal(data["blk.0.attn_q.weight"], data["blk.1.attn_q.weight"])
 
 
-def test_moe_weights_keep_each_tokens_own_state_in_charge_of_routing():
-    spec = resolve_spec("tiny-olmoe")
+@pytest.mark.parametrize("name", ["tiny-olmoe", "tiny-mixtral"])
+def test_moe_weights_keep_each_tokens_own_state_in_charge_and_attend_nearby(name):
+    spec = resolve_spec(name)
     reader = GGUFReader(build(spec, DTYPES["f32"]).path)
-    data = {t.name: np.asarray(t.data) for t in reader.tensors}
+    data = {t.name: np.asarray(t.data, dtype=np.float64) for t in reader.tensors}
+    c = locality.common_direction(spec, 0)
+    # every embedding row shares COMMON_SHARE of its RMS along c, and only that
+    embeddings = data["token_embd.weight"]
+    shift = embeddings.mean(axis=0)
+    assert shift @ c / np.linalg.norm(shift) > 0.98
+    assert abs(np.linalg.norm(shift) / math.sqrt(spec.hidden_size) - locality.COMMON_SHARE) < 0.03
+    assert abs(float((embeddings - shift).std()) - gguf_build.MOE_EMBEDDING_STD) < 0.05
+    # values and routers are blind to it
+    for tensor in ("blk.0.attn_v.weight", "blk.1.ffn_gate_inp.weight"):
+        assert np.abs(data[tensor] @ c).max() < 1e-5 * np.abs(data[tensor]).max()
+    # q and k map it to the kernel vector, the same in every head, over a small random part
+    along = locality.COMMON_SHARE * math.sqrt(spec.hidden_size / (1 + locality.COMMON_SHARE ** 2))
+    want = (locality.kernel_vector(spec) * locality.kernel_length(spec, WEIGHT_STD) / along)
+    for tensor in ("blk.0.attn_q.weight", "blk.1.attn_k.weight"):
+        heads = (data[tensor] @ c).reshape(-1, spec.head_dim)
+        assert np.allclose(heads.mean(axis=0), want, atol=4 * locality.qk_std(spec, WEIGHT_STD))
+        random_part = data[tensor] - np.outer(np.tile(want, len(heads)), c)
+        assert abs(random_part.std() / locality.qk_std(spec, WEIGHT_STD) - 1) < 0.1
+    output = locality.output_std(spec, WEIGHT_STD, gguf_build.MOE_EMBEDDING_STD)
+    assert abs(data["blk.0.attn_output.weight"].std() / output - 1) < 0.1
     residual_std = WEIGHT_STD / math.sqrt(2 * spec.num_hidden_layers)
-    assert abs(float(data["token_embd.weight"].std()) - gguf_build.MOE_EMBEDDING_STD) < 0.05
-    for name in ("blk.0.attn_output.weight", "blk.1.ffn_down_exps.weight"):
-        assert abs(float(data[name].std()) - residual_std) < 0.1 * residual_std
-    for name in ("blk.0.attn_q.weight", "blk.0.ffn_gate_inp.weight", "output.weight"):
-        assert abs(float(data[name].std()) - WEIGHT_STD) < 0.1 * WEIGHT_STD
+    assert abs(data["blk.1.ffn_down_exps.weight"].std() / residual_std - 1) < 0.1
+    assert abs(data["output.weight"].std() / WEIGHT_STD - 1) < 0.1
     dense = GGUFReader(build(resolve_spec("tiny-llama"), DTYPES["f32"]).path)
     assert abs(float(np.asarray(dense.tensors[0].data).std()) - WEIGHT_STD) < 0.002
 

@@ -103,7 +103,7 @@ def test_batching_an_moe_model_is_set_against_the_union_of_experts(moe_run):
 
 
 def test_the_run_records_which_experts_a_moe_models_tokens_picked(moe_run):
-    from harness.analysis.phases import prefill_weight_n_bytes
+    from harness.core.costs import prefill_weight_n_bytes
     from harness.levers.experts import experts_table, routing_rows
 
     spec = resolve_spec("tiny-qwen3moe")
@@ -125,5 +125,12 @@ def test_the_run_records_which_experts_a_moe_models_tokens_picked(moe_run):
     k_of_e = spec.num_experts_per_tok / spec.num_experts
     assert prefill_weight_n_bytes(moe, spec, n, n) == pytest.approx(
         moe["decode_weight_n_bytes"] + moe["expert_n_bytes"] * (share - k_of_e))
-    expected = step_weight_n_bytes(moe["decode_weight_n_bytes"], moe["expert_n_bytes"], spec, 7)
-    assert prefill_weight_n_bytes(moe, spec, 7, 7) == pytest.approx(expected)
+    # a shorter ubatch reads what windows of that many consecutive prefill tokens touched
+    windows = [dict(r["prefill_windows"])[4] / r["n_experts"] for r in whole]
+    assert prefill_weight_n_bytes(moe, spec, 4, 4) == pytest.approx(
+        moe["decode_weight_n_bytes"] + moe["expert_n_bytes"] * (
+            sum(windows) / len(windows) - k_of_e))
+    # a longer one than the run recorded: the expectation with every token picking uniformly
+    expected = step_weight_n_bytes(moe["decode_weight_n_bytes"], moe["expert_n_bytes"], spec,
+                                   n + 7)
+    assert prefill_weight_n_bytes(moe, spec, n + 7, n + 7) == pytest.approx(expected)

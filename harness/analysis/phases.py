@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.costs import (
-    active_expert_fraction,
     decode_n_bytes_per_token,
     matmul_params_per_token,
     mean_decode_context,
     prefill_flops,
-    step_weight_n_bytes,
+    prefill_weight_n_bytes,
 )
 from ..core.specs import ModelSpec
 from ..core.stats import center, contrast, ratio_summary, row_blocks, summarize, unpaired
@@ -166,32 +165,6 @@ def longest_decodes(decode: list[dict]) -> list[dict]:
         if config_key(r) not in chosen or r["n_gen"] > chosen[config_key(r)]["n_gen"]:
             chosen[config_key(r)] = r
     return list(chosen.values())
-
-
-def prefill_weight_n_bytes(model: dict, spec: ModelSpec, n_prompt: int, n_ubatch: int
-                           ) -> float:
-    """Weight bytes a prefill reads: every ubatch reads everything outside the routed experts
-    once, and the union of the experts its tokens picked: as recorded where the run read the
-    picks of a ubatch that size (the model's routing), else the expected union with every
-    token picking uniformly (core.costs.expert_union_fraction); one decode token reads k of E."""
-    active, experts = model["decode_weight_n_bytes"], model.get("expert_n_bytes") or 0
-    total = 0.0
-    for start in range(0, n_prompt, n_ubatch):
-        n = min(n_ubatch, n_prompt - start)
-        union = _recorded_union(model, n)
-        total += (step_weight_n_bytes(active, experts, spec, n) if union is None or not experts
-                  else active + experts * (union - active_expert_fraction(spec)))
-    return total
-
-
-def _recorded_union(model: dict, n_tokens: int) -> float | None:
-    """The share of the experts n_tokens of one prefill touched, averaged over the layers,
-    from the model's recorded routing (None when none recorded a prefill of that size)."""
-    layers = [r for r in (model.get("routing") or {}).get("layers") or []
-              if r["prefill_tokens"] == n_tokens and r["prefill_touched"] is not None]
-    if not layers:
-        return None
-    return sum(r["prefill_touched"] / r["n_experts"] for r in layers) / len(layers)
 
 
 def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dict]:

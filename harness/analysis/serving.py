@@ -13,6 +13,7 @@ from ..core.costs import (
     decode_flops_per_token,
     mean_decode_context,
     prefill_flops,
+    prefill_weight_n_bytes,
     step_weight_n_bytes,
 )
 from ..core.specs import ModelSpec
@@ -111,8 +112,9 @@ def prompt_roofline(spec: ModelSpec, model: dict, n_prompt: int, prompt_s: float
             "compute_gflop_s": peak["value"], "share": share,
             "above": above_ceiling(share, peak),
             "compute_s": flops / (peak["value"] * 1e9),
-            # a ubatch of n_prompt tokens reads the expected union of their experts
-            "memory_s": _weights(model, spec, n_prompt) / (stream_gb_s * 1e9)}
+            # one ubatch of n_prompt tokens: the union of their experts, recorded or expected
+            "memory_s": prefill_weight_n_bytes(model, spec, n_prompt, n_prompt)
+            / (stream_gb_s * 1e9)}
 
 
 def _bound(model: dict, spec: ModelSpec, workload: dict, b: int, stream_gb_s: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .specs import ModelSpec, tensor_plan
@@ -23,15 +24,16 @@ def expert_union_fraction(n_experts: int, n_used: int, n_sequences: int = 1) -> 
     """Expected share of a layer's experts that one step of n_sequences tokens reads, each
     token routed to n_used of n_experts uniformly at random: a given expert is missed by one
     token with probability 1 - k/E, by all B with (1 - k/E)^B, so E(1 - (1 - k/E)^B) experts
-    are read. It assumes every token picks independently and uniformly; trained routers are
-    skewed (some experts hot), and random-weight routers sticky (consecutive tokens of one
-    sequence share most of their experts), both of which read fewer distinct experts."""
+    are read. It assumes every token picks independently and uniformly: true of separate
+    sequences' tokens in the builder's files, not of one sequence's consecutive tokens, which
+    share experts more often (trained routers too), nor of trained routers' hot experts; both
+    read fewer distinct experts (window_touched measures them)."""
     return 1 - (1 - n_used / n_experts) ** n_sequences
 
 
-def _consecutive_shared(steps: list[list[int]]) -> list[set[int]]:
-    """The experts each pair of consecutive tokens has in common."""
-    return [set(a) & set(b) for a, b in zip(steps, steps[1:], strict=False)]
+def _consecutive_shared(steps: list[list[int]], distance: int = 1) -> list[set[int]]:
+    """The experts each pair of tokens distance apart (1: consecutive) has in common."""
+    return [set(a) & set(b) for a, b in zip(steps, steps[distance:], strict=False)]
 
 
 def consecutive_overlap(steps: list[list[int]]) -> float | None:
@@ -47,11 +49,11 @@ def uniform_overlap(n_experts: int, n_used: int) -> float:
     return n_used * n_used / n_experts
 
 
-def repeat_share(steps: list[list[int]]) -> float | None:
-    """Share of consecutive tokens that have at least one expert in common: the Mixtral
-    paper's "first or second choice" repetitions (Jiang et al. 2024, arXiv 2401.04088,
-    Table 5), for any k; None under two steps."""
-    shared = _consecutive_shared(steps)
+def repeat_share(steps: list[list[int]], distance: int = 1) -> float | None:
+    """Share of consecutive tokens (or of tokens distance apart) that have at least one expert
+    in common: the Mixtral paper's "first or second choice" repetitions (Jiang et al. 2024,
+    arXiv 2401.04088, Table 5), for any k; None without a pair."""
+    shared = _consecutive_shared(steps, distance)
     return sum(map(bool, shared)) / len(shared) if shared else None
 
 
@@ -64,6 +66,23 @@ def uniform_repeat_share(n_experts: int, n_used: int) -> float:
 def experts_touched(selections: list[list[int]]) -> int:
     """Distinct experts a group of tokens (a prefill's ubatch, a batch) reads in one layer."""
     return len({e for picked in selections for e in picked})
+
+
+def window_sizes(n_tokens: int) -> list[int]:
+    """The window sizes window_touched records: powers of two up to n_tokens, and n_tokens."""
+    return sorted({1 << i for i in range(n_tokens.bit_length()) if 1 << i <= n_tokens}
+                  | {n_tokens})
+
+
+def window_touched(selections: list[list[int]], n_experts: int) -> list[list[float]]:
+    """[n, mean distinct experts] for windows of n consecutive tokens of one prefill (every
+    start), n in window_sizes: what a ubatch of n tokens of one sequence reads in a layer."""
+    picked = np.zeros((len(selections) + 1, n_experts), dtype=np.int32)
+    for row, experts in enumerate(selections, start=1):
+        picked[row, experts] = 1
+    counts = np.cumsum(picked, axis=0)
+    return [[n, float(((counts[n:] - counts[:-n]) > 0).sum(axis=1).mean())]
+            for n in window_sizes(len(selections))]
 
 
 @dataclass(frozen=True)
@@ -294,3 +313,39 @@ def mean_decode_context(n_prompt: int, n_gen: int) -> float:
     return n_prompt + (n_gen + 1) / 2 if n_gen else float(n_prompt)
 
 
+def prefill_weight_n_bytes(model: dict, spec: ModelSpec, n_prompt: int, n_ubatch: int
+                           ) -> float:
+    """Weight bytes a prefill reads (model: a run's model record): every ubatch reads everything
+    outside the routed experts once, and the union of the experts its tokens picked: as
+    recorded where the run read the picks of a prefill at least that long (the model's
+    routing: the prefill itself, or its windows of consecutive tokens), else the expected union
+    with every token picking uniformly (expert_union_fraction); one decode token reads k of E."""
+    active, experts = model["decode_weight_n_bytes"], model.get("expert_n_bytes") or 0
+    total = 0.0
+    for start in range(0, n_prompt, n_ubatch):
+        n = min(n_ubatch, n_prompt - start)
+        union = _recorded_union(model, n)
+        total += (step_weight_n_bytes(active, experts, spec, n) if union is None or not experts
+                  else active + experts * (union - active_expert_fraction(spec)))
+    return total
+
+
+def _recorded_union(model: dict, n_tokens: int) -> float | None:
+    """The share of the experts n_tokens of one prefill touched, averaged over the layers that
+    ran them all, from the model's recorded routing (None when it covers no such ubatch)."""
+    shares = [touched / r["n_experts"] for r in (model.get("routing") or {}).get("layers") or []
+              if (touched := _layer_touched(r, n_tokens)) is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
+def _layer_touched(layer: dict, n_tokens: int) -> float | None:
+    """Experts a ubatch of n_tokens consecutive tokens touched in one layer: the recorded
+    prefill of that size, else its windows of n_tokens (recorded at powers of two, interpolated
+    in log n between them; runs made before analysis version 21 recorded none)."""
+    if layer["prefill_tokens"] == n_tokens and layer["prefill_touched"] is not None:
+        return layer["prefill_touched"]
+    windows = layer.get("prefill_windows")
+    if not windows or not 1 < n_tokens < layer["prefill_tokens"]:
+        return None
+    sizes, touched = zip(*windows, strict=True)
+    return float(np.interp(math.log2(n_tokens), np.log2(sizes), touched))

@@ -36,6 +36,7 @@ class Arch:
     shared_expert: bool = False  # Qwen2-MoE: one always-on expert with its own sigmoid gate
     multipliers: bool = False  # Granite: embedding, residual, attention and logit scales
     expert_ff_key: bool = False  # expert width from expert_feed_forward_length (else n_ff)
+    rope_neox: bool = False  # RoPE pairs dimension i with i + head_dim/2 (else with i + 1)
 
 
 # llama.cpp's loaders (src/llama-model.cpp): qwen3 reads attn_q_norm and attn_k_norm per layer
@@ -45,19 +46,23 @@ class Arch:
 # n_expert} and 3-D ffn_{gate,up,down}_exps per layer (Mixtral is llama with experts; granitemoe
 # goes through the llama loader plus Granite's four scales; olmoe norms q and k over n_embd;
 # qwen2moe adds q/k/v biases and a shared expert with ffn_gate_inp_shexp {n_embd}).
+# llama_model_rope_type: llama and granitemoe rotate neighbouring pairs (LLAMA_ROPE_TYPE_NORM),
+# the others pairs offset by head_dim/2 (LLAMA_ROPE_TYPE_NEOX).
 ARCHS: dict[str, Arch] = {
-    "qwen2": Arch("qwen2", qkv_bias="required"),
+    "qwen2": Arch("qwen2", qkv_bias="required", rope_neox=True),
     "llama": Arch("llama", qkv_bias="optional", experts="optional"),
-    "qwen3": Arch("qwen3", qkv_bias="absent", qk_norm=True),
-    "gemma2": Arch("gemma2", qkv_bias="absent", post_norms=True),
-    "gemma3": Arch("gemma3", qkv_bias="absent", qk_norm=True, post_norms=True),
-    "phi3": Arch("phi3", qkv_bias="absent", fused=True),
+    "qwen3": Arch("qwen3", qkv_bias="absent", qk_norm=True, rope_neox=True),
+    "gemma2": Arch("gemma2", qkv_bias="absent", post_norms=True, rope_neox=True),
+    "gemma3": Arch("gemma3", qkv_bias="absent", qk_norm=True, post_norms=True,
+                   rope_neox=True),
+    "phi3": Arch("phi3", qkv_bias="absent", fused=True, rope_neox=True),
     "granitemoe": Arch("granitemoe", qkv_bias="absent", experts="required", multipliers=True),
-    "olmoe": Arch("olmoe", qkv_bias="absent", qk_norm_full=True, experts="required"),
+    "olmoe": Arch("olmoe", qkv_bias="absent", qk_norm_full=True, experts="required",
+                  rope_neox=True),
     "qwen2moe": Arch("qwen2moe", qkv_bias="required", experts="required", shared_expert=True,
-                     expert_ff_key=True),
+                     expert_ff_key=True, rope_neox=True),
     "qwen3moe": Arch("qwen3moe", qkv_bias="absent", qk_norm=True, experts="required",
-                     expert_ff_key=True),
+                     expert_ff_key=True, rope_neox=True),
 }
 
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",

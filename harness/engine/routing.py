@@ -13,6 +13,7 @@ from ..core.costs import (
     repeat_share,
     uniform_overlap,
     uniform_repeat_share,
+    window_touched,
 )
 from ..core.specs import ModelSpec
 
@@ -54,7 +55,8 @@ def _collect(trace, into: dict[int, list[list[int]]]) -> None:
 
 def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
     """Per layer: the experts the prefill touched (and what tokens picking uniformly at random
-    would touch), what consecutive decode steps share (and k²/E, the uniform figure), and how
+    would touch) and what windows of its consecutive tokens touched ([n, mean] for n in
+    window_sizes), what consecutive decode steps share (and k²/E, the uniform figure), and how
     often they share any (and its uniform figure)."""
     n_experts, k = spec.num_experts, spec.num_experts_per_tok
     rows = []
@@ -65,6 +67,7 @@ def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
                      "prefill_touched": experts_touched(prefill) if prefill else None,
                      "prefill_uniform": n_experts * expert_union_fraction(
                          n_experts, k, len(prefill)) if prefill else None,
+                     "prefill_windows": window_touched(prefill, n_experts) if prefill else None,
                      "decode_steps": len(decode),
                      "decode_overlap": consecutive_overlap(decode),
                      "decode_repeat": repeat_share(decode),

@@ -135,8 +135,10 @@ def _experts_note(key: tuple, group: list[dict]) -> str:
     e = group[0]["n_experts"]
     reads = ", ".join(f"{r['experts_read']:.1f} at B = {r['parallel']}" for r in group)
     text = (f"{key[0]} is a mixture of experts: a step of B sequences reads the union of their "
-            f"experts, an expected E(1 − (1 − k/E)^B) of its {e} per layer ({reads}; routing "
-            "by random weights is uniform, trained routers are skewed and share more)")
+            f"experts, an expected E(1 − (1 − k/E)^B) of its {e} per layer ({reads}; separate "
+            "sequences pick independently, and the builder's routers pick every expert as "
+            "often; trained routers are skewed, favouring some experts, so that sequences "
+            "share more)")
     pairs = [f"{r['speedup']:.2f}× measured against {r['bytes_speedup']:.2f}× from the bytes "
              f"at B = {r['parallel']}" for r in group if r["parallel"] > 1 and r.get("speedup")]
     return text + (": " + "; ".join(pairs) if pairs else "") + "."

@@ -21,7 +21,7 @@ from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
 # Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 20
+ANALYSIS_VERSION = 21
 
 
 def analyze(measurements: list[dict], models: dict, probes: list[dict],

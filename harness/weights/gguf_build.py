@@ -18,22 +18,26 @@ from .. import __version__
 from ..core.costs import TensorEntry, active_expert_fraction, decode_weight_n_bytes
 from ..core.dtypes import DTYPES, DType
 from ..core.specs import ARCHS, ModelSpec, TensorPlan, tensor_plan
+from .locality import WRITE_GAIN, RowEdit, output_std, qk_std, row_edit
 
 # Bump when the bytes the builder writes change: it is part of every cache key. One version
 # per family, so that a change to how mixtures of experts are written leaves dense files (and
 # the runs made on them) as they were.
-BUILDER_VERSIONS = {"dense": 1, "moe": 2}
+BUILDER_VERSIONS = {"dense": 1, "moe": 3}
 # The F16 file quantized builds are made from (block spread, below): its own versions, so that
 # direct files keep their bytes.
-SPREAD_VERSIONS = {"dense": 2, "moe": 3}
+SPREAD_VERSIONS = {"dense": 2, "moe": 4}
 WEIGHT_STD = 0.02  # the init scale of GPT-2/Llama-style models: keeps logits finite
 # Mixtures of experts only (docs/twins.md, "Expert routing"): with every tensor at N(0, 0.02),
 # attention builds a per-sequence average that dominates the hidden state, so a sequence's
 # tokens keep picking the same experts. Token embeddings at unit RMS (as Gemma 3 270M's enter
 # its residual stream, 1.03 measured) and residual output projections scaled by 1/sqrt(2L) (the
 # GPT-2 paper's init, as nanoGPT writes it) keep each token's own state in charge of routing.
+# Since builder version 3 their attention also favours nearby tokens (weights/locality.py), so
+# that consecutive tokens share experts as often as in a trained model, and its output
+# projection is sized by that module.
 MOE_EMBEDDING_STD = 1.0
-RESIDUAL_OUTPUTS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+RESIDUAL_OUTPUTS = ("ffn_down_exps.weight", "ffn_down_shexp.weight")
 # Quantized builds only (docs/twins.md, "Quantized builds get trained weights' spread"). ggml's
 # quantized dot products look each block's F16 scale up in a 256 KiB table; how many of its
 # cache lines a matrix touches moved one kernel by 4% on an EPYC (a real Q8_0 matrix against
@@ -108,7 +112,8 @@ def write_gguf(spec: ModelSpec, dtype: DType, seed: int, path: Path,
     starts = pool_starts(spec, tensors, seed, pool_elements, spread)
     return write_tensor_data(writer, path, (
         (t.n_bytes, pools.chunks(t, offsets, weight_std(spec, t.plan),
-                                 block_spread(t.plan.name) if spread else None))
+                                 block_spread(t.plan.name) if spread else None,
+                                 row_edit(spec, t.plan.name, seed, MOE_EMBEDDING_STD, WEIGHT_STD)))
         for t, offsets in zip(tensors, starts, strict=True)), progress)
 
 
@@ -133,8 +138,12 @@ def weight_std(spec: ModelSpec, plan: TensorPlan) -> float:
         return WEIGHT_STD
     if plan.role == "embedding":
         return MOE_EMBEDDING_STD
+    if plan.name.endswith("attn_output.weight"):
+        return output_std(spec, WEIGHT_STD, MOE_EMBEDDING_STD)
     if plan.name.endswith(RESIDUAL_OUTPUTS):
         return WEIGHT_STD / math.sqrt(2 * spec.num_hidden_layers)
+    if plan.name.endswith(("attn_q.weight", "attn_k.weight")):
+        return qk_std(spec, WEIGHT_STD)
     return WEIGHT_STD
 
 
@@ -190,15 +199,21 @@ class _Pools:
         self._base = rng.standard_normal(n_elements, dtype=np.float32) * np.float32(WEIGHT_STD)
         self._cache: dict[tuple, memoryview] = {}
 
-    def _pool(self, ggml_type: GGMLQuantizationType, std: float,
-              spread: tuple[float, float] | None) -> memoryview:
-        if (ggml_type, std, spread) not in self._cache:
+    def _values(self, std: float, spread: tuple[float, float] | None) -> np.ndarray:
+        if ("values", std, spread) not in self._cache:
             if spread:
                 values = self._spread(std, *spread)
             else:  # WEIGHT_STD itself keeps the base unscaled: dense files' bytes stay
                 values = (self._base if std == WEIGHT_STD
                           else self._base * np.float32(std / WEIGHT_STD))
-            self._cache[ggml_type, std, spread] = memoryview(_encode(values, ggml_type)).cast("B")
+            self._cache["values", std, spread] = values
+        return self._cache["values", std, spread]
+
+    def _pool(self, ggml_type: GGMLQuantizationType, std: float,
+              spread: tuple[float, float] | None) -> memoryview:
+        if (ggml_type, std, spread) not in self._cache:
+            self._cache[ggml_type, std, spread] = memoryview(
+                _encode(self._values(std, spread), ggml_type)).cast("B")
         return self._cache[ggml_type, std, spread]
 
     def _spread(self, std: float, nu: float, sigma: float) -> np.ndarray:
@@ -216,14 +231,19 @@ class _Pools:
         return values * np.float32(std / rms)
 
     def chunks(self, t: PlannedTensor, starts: list[int], std: float = WEIGHT_STD,
-               spread: tuple[float, float] | None = None) -> Iterator[bytes | memoryview]:
+               spread: tuple[float, float] | None = None,
+               edit: RowEdit | None = None) -> Iterator[bytes | memoryview]:
         """The tensor's bytes: norms are ones, everything else comes from the random pool, read
-        cyclically from each start (one start per equal slice: the experts of a 3-D tensor)."""
+        cyclically from each start (one start per equal slice: the experts of a 3-D tensor),
+        with edit applied to its rows where given."""
         if t.plan.role == "norm":
             yield np.ones(t.plan.n_elements, dtype=np.float32).tobytes()
             return
         if t.ggml_type == GGMLQuantizationType.F32 or len(t.plan.shape) == 1:
             spread = None  # vectors and F32 tensors are not quantized
+        if edit is not None:
+            yield from self._edited(t, starts[0], self._values(std, spread), edit)
+            return
         pool = self._pool(t.ggml_type, std, spread)
         item = GGML_QUANT_SIZES[t.ggml_type][1]
         for start in starts:
@@ -233,6 +253,21 @@ class _Pools:
                 yield pool[start:start + n]
                 remaining -= n
                 start = 0
+
+
+    @staticmethod
+    def _edited(t: PlannedTensor, start: int, values: np.ndarray,
+                edit: RowEdit) -> Iterator[bytes]:
+        """A 2-D tensor's pool values from start, edited and encoded a few MiB of rows at a
+        time."""
+        width = t.plan.shape[-1]
+        n_rows = t.plan.n_elements // width
+        step = max(1, (1 << 20) // width)
+        for first in range(0, n_rows, step):
+            at = start + first * width
+            rows = np.take(values, np.arange(at, at + min(step, n_rows - first) * width),
+                           mode="wrap").reshape(-1, width)
+            yield _encode(edit(rows, first).astype(np.float32).reshape(-1), t.ggml_type).tobytes()
 
 
 def _encode(values: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
@@ -288,8 +323,11 @@ def _writer_with_metadata(spec: ModelSpec, dtype: DType, seed: int,
     w = GGUFWriter(None, spec.architecture)
     w.add_name(f"{spec.name} (random weights)")
     values = (f"random weights N(0, {WEIGHT_STD})" if not spec.is_moe else
-              f"random weights N(0, {WEIGHT_STD}), token embeddings N(0, {MOE_EMBEDDING_STD}), "
-              f"residual outputs N(0, {WEIGHT_STD}/sqrt(2 x layers))")
+              f"random weights N(0, {WEIGHT_STD}), token embeddings N(0, {MOE_EMBEDDING_STD}) "
+              f"plus a shared vector that q and k map to a RoPE kernel favouring nearby "
+              f"tokens (values and routers blind to it), expert outputs "
+              f"N(0, {WEIGHT_STD}/sqrt(2 x layers)), attention outputs writing {WRITE_GAIN}^2/"
+              f"(2 x layers) of the embeddings' variance")
     if spread:
         values += (" at those RMS, spread per tensor role as trained weights' block maxima "
                    "(Student-t values, lognormal block scales)")
