@@ -128,6 +128,21 @@ def test_a_deep_built_mixture_routes_each_token_on_its_own(tmp_path):
     assert mean_overlap < 2 * uniform_overlap(spec.num_experts, spec.num_experts_per_tok)
 
 
+def test_neighbours_and_distant_tokens_are_told_apart_on_known_selections():
+    # even tokens pick experts 0 and 1, odd ones 2 and 3: neighbours never share, tokens an
+    # even distance apart always do
+    steps = [[2 * (t % 2), 2 * (t % 2) + 1] for t in range(300)]
+    row = routing_stats({"prefill": {0: steps}, "decode": {0: steps[:3]}},
+                        resolve_spec("tiny-mixtral"))[0]
+    assert row["prefill_repeat"] == 0.0 and row["prefill_repeat_far"] == 1.0
+    assert repeat_share(steps, 2) == 1.0 and repeat_share(steps, 299) == 0.0
+    short = routing_stats({"prefill": {0: steps[:100]}, "decode": {0: []}},
+                          resolve_spec("tiny-mixtral"))[0]
+    assert short["prefill_repeat_far"] == 1.0  # only distance 64 fits in 100 tokens
+    assert routing_stats({"prefill": {0: steps[:1]}, "decode": {}},
+                         resolve_spec("tiny-mixtral"))[0]["prefill_repeat_far"] is None
+
+
 def test_a_deep_built_mixture_sends_consecutive_tokens_to_shared_experts(tmp_path):
     # Trained Mixtral shares an expert between consecutive tokens in 62-67% of pairs at its
     # middle layer (46% at chance). The builder's positional kernel makes each token attend
@@ -138,10 +153,11 @@ def test_a_deep_built_mixture_sends_consecutive_tokens_to_shared_experts(tmp_pat
                    num_experts=8)
     path = build(spec, DTYPES["f32"], directory=tmp_path).path
     with Model(path) as model:
-        chosen = expert_selections(model, n_prompt=512, n_decode=2, threads=1)["prefill"]
-    deep = [chosen[layer] for layer in range(3, 7)]
-    near = np.mean([repeat_share(steps) for steps in deep])
-    far = np.mean([repeat_share(steps, d) for steps in deep for d in (64, 128, 256)])
+        rows = routing_stats(expert_selections(model, n_prompt=512, n_decode=2, threads=1),
+                             spec)
+    deep = [rows[layer] for layer in range(3, 7)]
+    near = np.mean([r["prefill_repeat"] for r in deep])
+    far = np.mean([r["prefill_repeat_far"] for r in deep])
     assert near > far + 0.1
     assert abs(far - uniform_repeat_share(8, 2)) < 0.06
-    assert all(len({e for token in steps for e in token}) == 8 for steps in deep)
+    assert all(r["prefill_touched"] == 8 for r in deep)

@@ -17,6 +17,9 @@ from ..core.costs import (
 )
 from ..core.specs import ModelSpec
 
+# Prefill tokens this far apart stand for "distant": they share experts at chance when the
+# routing has locality and no sequence-wide bias (docs/twins.md, "Routing locality").
+FAR_DISTANCES = (64, 128, 256)
 TOPK_PREFIX = "ffn_moe_topk"  # llama.cpp's name for the chosen experts: [k, n_tokens] of I32
 _LAYER = re.compile(r"-(\d+)$")
 
@@ -55,9 +58,10 @@ def _collect(trace, into: dict[int, list[list[int]]]) -> None:
 
 def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
     """Per layer: the experts the prefill touched (and what tokens picking uniformly at random
-    would touch) and what windows of its consecutive tokens touched ([n, mean] for n in
-    window_sizes), what consecutive decode steps share (and k²/E, the uniform figure), and how
-    often they share any (and its uniform figure)."""
+    would touch), what windows of its consecutive tokens touched ([n, mean] for n in
+    window_sizes), how often its neighbouring tokens share any expert and how often tokens
+    FAR_DISTANCES apart do (their mean), what consecutive decode steps share (and k²/E, the
+    uniform figure), and how often they share any (and its uniform figure)."""
     n_experts, k = spec.num_experts, spec.num_experts_per_tok
     rows = []
     for layer in sorted(set(selections["prefill"]) | set(selections["decode"])):
@@ -68,6 +72,8 @@ def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
                      "prefill_uniform": n_experts * expert_union_fraction(
                          n_experts, k, len(prefill)) if prefill else None,
                      "prefill_windows": window_touched(prefill, n_experts) if prefill else None,
+                     "prefill_repeat": repeat_share(prefill),
+                     "prefill_repeat_far": _far_share(prefill),
                      "decode_steps": len(decode),
                      "decode_overlap": consecutive_overlap(decode),
                      "decode_repeat": repeat_share(decode),
@@ -75,3 +81,8 @@ def routing_stats(selections: dict, spec: ModelSpec) -> list[dict]:
                      "uniform_overlap": uniform_overlap(n_experts, k),
                      "uniform_repeat": uniform_repeat_share(n_experts, k)})
     return rows
+
+
+def _far_share(steps: list[list[int]]) -> float | None:
+    shares = [repeat_share(steps, d) for d in FAR_DISTANCES if d < len(steps)]
+    return sum(shares) / len(shares) if shares else None

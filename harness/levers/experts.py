@@ -256,6 +256,8 @@ def routing_table(rows: list[dict], model: str) -> Table:
         Column("layer", "layer", "int"), Column("prefill tokens", "prefill_tokens", "int"),
         Column("experts touched", "prefill_touched", "int"),
         Column("if uniform", "prefill_uniform", "f1"),
+        Column("neighbours sharing any", "prefill_repeat", "pct"),
+        Column("64–256 apart", "prefill_repeat_far", "pct"),
         Column("decode steps", "decode_steps", "int"),
         Column("shared by consecutive steps", "decode_overlap", "f2"),
         Column("if uniform (k²/E)", "uniform_overlap", "f2"),
@@ -266,6 +268,9 @@ def routing_table(rows: list[dict], model: str) -> Table:
          "llama.cpp's graph (the ffn_moe_topk tensor) as it ran. If uniform: every token "
          "picking independently and uniformly at random, E(1 − (1 − k/E)^n) experts touched by "
          "n tokens, k²/E shared by two consecutive ones, and 1 − C(E − k, k)/C(E, k) of "
-         "consecutive pairs sharing any." + REPEAT_NOTE + " A layer a prefill runs on its last "
+         "consecutive pairs sharing any. Neighbours sharing any: consecutive prefill tokens; "
+         "64–256 apart: the same for tokens 64, 128 and 256 apart (their mean), at the "
+         "uniform figure when routing has locality but no bias shared by a whole sequence."
+         + REPEAT_NOTE + " A layer a prefill runs on its last "
          "token only (llama.cpp drops the other tokens before the last layer's FFN) shows one "
          "prefill token."])
