@@ -18,8 +18,7 @@ COMMON_SHARE = 0.3
 # The kernel's score at distance 0, in the units softmax sees (after llama.cpp's kq_scale),
 # and the band of RoPE pairs that carry it (radians turned per token): the score at distance
 # t is LOCAL_SCORE x the mean of cos(t x theta) over the band, so a token's attention spreads
-# over about its last four (falling to 1/e^3 within about eight) and leaves the rest of the
-# context under 10%.
+# over about its last four and leaves the rest of a 512-token context 10% or less.
 LOCAL_SCORE = 12.0
 KERNEL_BAND = (0.05, 0.25)
 # The random part of q.k, its standard deviation in the same units: small beside the
