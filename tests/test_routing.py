@@ -111,16 +111,22 @@ def test_a_short_ubatch_reads_what_windows_of_the_recorded_prefill_touched():
     assert prefill_weight_n_bytes(model, spec, 512, 512) == 1000.0 + 3200.0 * (1 - k_of_e)
 
 
+def _deep_routing(tmp_path, base: str, n_layers: int, n_experts: int, n_prompt: int,
+                  n_decode: int):
+    """A tiny mixture of experts made deeper and wider, built at F32, and its routing stats."""
+    spec = replace(resolve_spec(base), name=f"deep-{base}", num_hidden_layers=n_layers,
+                   num_experts=n_experts)
+    path = build(spec, DTYPES["f32"], directory=tmp_path).path
+    with Model(path) as model:
+        chosen = expert_selections(model, n_prompt=n_prompt, n_decode=n_decode, threads=1)
+    return spec, routing_stats(chosen, spec)
+
+
 def test_a_deep_built_mixture_routes_each_token_on_its_own(tmp_path):
     # 12 layers of tiny OLMoE with 16 experts: with every tensor at N(0, 0.02) its deep layers
     # sent a whole sequence to 8-10 of the 16 experts, consecutive steps sharing about 5x
     # uniform's k^2/E; the builder's MoE init keeps routing near uniform in every layer.
-    spec = replace(resolve_spec("tiny-olmoe"), name="deep-olmoe", num_hidden_layers=12,
-                   num_experts=16)
-    path = build(spec, DTYPES["f32"], directory=tmp_path).path
-    with Model(path) as model:
-        rows = routing_stats(expert_selections(model, n_prompt=256, n_decode=32, threads=1),
-                             spec)
+    spec, rows = _deep_routing(tmp_path, "tiny-olmoe", 12, 16, n_prompt=256, n_decode=32)
     whole = [r for r in rows if r["prefill_tokens"] == 256]
     assert len(whole) == spec.num_hidden_layers - 1  # the last layer runs the last token only
     assert all(r["prefill_touched"] >= 0.95 * spec.num_experts for r in whole)
@@ -149,12 +155,7 @@ def test_a_deep_built_mixture_sends_consecutive_tokens_to_shared_experts(tmp_pat
     # to its last few, so neighbours share experts more often than distant tokens, which
     # share them at chance. Measured at this spec: about 0.66 near against 0.48 far (with the
     # kernel off, or laid out for the other RoPE, near fell to 0.49-0.54).
-    spec = replace(resolve_spec("tiny-mixtral"), name="deep-mixtral", num_hidden_layers=8,
-                   num_experts=8)
-    path = build(spec, DTYPES["f32"], directory=tmp_path).path
-    with Model(path) as model:
-        rows = routing_stats(expert_selections(model, n_prompt=512, n_decode=2, threads=1),
-                             spec)
+    _, rows = _deep_routing(tmp_path, "tiny-mixtral", 8, 8, n_prompt=512, n_decode=2)
     deep = [rows[layer] for layer in range(3, 7)]
     near = np.mean([r["prefill_repeat"] for r in deep])
     far = np.mean([r["prefill_repeat_far"] for r in deep])

@@ -197,7 +197,7 @@ class _Pools:
         self._seed = seed
         rng = np.random.default_rng(seed)
         self._base = rng.standard_normal(n_elements, dtype=np.float32) * np.float32(WEIGHT_STD)
-        self._cache: dict[tuple, memoryview] = {}
+        self._cache: dict[tuple, memoryview | np.ndarray] = {}  # encoded pools, float values
 
     def _values(self, std: float, spread: tuple[float, float] | None) -> np.ndarray:
         if ("values", std, spread) not in self._cache:

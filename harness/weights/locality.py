@@ -32,6 +32,8 @@ RANDOM_SCORE = 0.2
 WRITE_GAIN = 2.6
 
 RowEdit = Callable[[np.ndarray, int], np.ndarray]  # (rows, index of the first) -> rows
+EDITED = ("token_embd.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+          "ffn_gate_inp.weight")
 
 
 def common_direction(spec: ModelSpec, seed: int) -> np.ndarray:
@@ -119,7 +121,7 @@ def kernel_length(spec: ModelSpec, weight_std: float) -> float:
 def row_edit(spec: ModelSpec, name: str, seed: int, embedding_std: float,
              weight_std: float) -> RowEdit | None:
     """What the builder adds to a tensor's rows (numpy rows: output features), or None."""
-    if not spec.is_moe:
+    if not spec.is_moe or not name.endswith(EDITED):
         return None
     c = common_direction(spec, seed)
     if name == "token_embd.weight":
