@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import click
 
-from .core.errors import EXIT_FAILURE, EXIT_INTERRUPTED, HarnessError
+from .core.errors import (
+    EXIT_DISK_FULL,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    HarnessError,
+    is_disk_full,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,15 +48,20 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
     """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id) or from a
     GGUF file's header (offline)."""
     from .core.specs import models_dir
+    from .core.yamlio import NAME_RULE, is_name, safe_name
     from .engine.build import write_text_atomically
     from .weights.gguf_inspect import is_gguf, spec_from_gguf
     from .weights.hfimport import load_config, render_spec_yaml, spec_dict_from_config
 
+    if name is not None and not is_name(name):
+        raise HarnessError(f"{name[:40]!r} is not a name: {NAME_RULE}", key="--name",
+                           fix=f"e.g. --name {safe_name(name)}")
     if is_gguf(Path(config)) or Path(config).suffix == ".gguf":  # a missing .gguf: said so
-        spec = spec_from_gguf(Path(config), name or Path(config).stem.lower()).to_dict()
+        spec = spec_from_gguf(Path(config), name or safe_name(Path(config).stem.lower()))
+        spec = spec.to_dict()
     else:
         data, default_name, source = load_config(config)
-        spec = spec_dict_from_config(data, name or default_name, source, config)
+        spec = spec_dict_from_config(data, name or safe_name(default_name), source, config)
     out = out or models_dir() / f"{spec['name']}.yaml"
     if out.exists() and not force:
         raise HarnessError("spec file exists already", source=str(out),
@@ -71,7 +82,18 @@ def _levels(concurrency: str | None, rate: str | None):
     if any((lv.concurrency or 1) < 1 or (lv.rate is not None and lv.rate <= 0) for lv in levels):
         raise HarnessError("levels must be positive", key="--concurrency/--rate",
                            fix="e.g. --concurrency 1,2,4")
+    keys = [lv.key for lv in levels]
+    if len(set(keys)) != len(keys):  # two levels of one key would share their records
+        twice = next(lv for i, lv in enumerate(levels) if lv.key in keys[:i])
+        raise HarnessError(f"the level {twice.label} is listed twice",
+                           key="--concurrency/--rate", fix="list each once")
+    if any(lv.concurrency and lv.concurrency > MAX_CONCURRENCY for lv in levels):
+        raise HarnessError(f"at most {MAX_CONCURRENCY} requests in flight",
+                           key="--concurrency", fix="e.g. --concurrency 1,2,4")
     return tuple(levels) or (Level(concurrency=1),)
+
+
+MAX_CONCURRENCY = 4096  # as a scenario's serve.concurrency
 
 
 @cli.group()
@@ -115,9 +137,12 @@ def server_build(jobs: int | None, directory: Path | None, force: bool,
 @click.argument("model")
 @click.option("--dtype", default="f16", show_default=True, help="Weight type of a built spec.")
 @click.option("--server", default="xllamacpp", show_default=True,
-              help="built (harness server build), xllamacpp (the wheel's server) or a "
-                   "llama-server binary.")
-@click.option("--endpoint", help="Load a server already running at this URL instead.")
+              help="built (harness server build), xllamacpp (the wheel's server) or the path "
+                   "of a llama-server binary.")
+@click.option("--endpoint", help="Load a server already running at this URL instead (this "
+                                 "machine's, unless --allow-remote).")
+@click.option("--allow-remote", is_flag=True,
+              help="Let --endpoint name a server on another machine (it will be loaded).")
 @click.option("--slots", default=4, show_default=True, type=click.IntRange(1, 256))
 @click.option("--concurrency", default="1,2,4", show_default=True,
               help="Closed-loop levels: requests in flight, comma-separated.")
@@ -146,23 +171,38 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
           concurrency: str, rate: str | None, n_requests: int, duration_s: float, prompt: int,
           generate: int, warmup: int, threads: int, slo_ttft_ms: float | None,
           slo_tpot_ms: float | None, prefix_cache: bool, inprocess: bool, pin_slots: bool,
-          rounds: int, out: Path | None,
+          rounds: int, allow_remote: bool, out: Path | None,
           cache_dir: Path | None) -> None:
     """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
     TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
-    from .servescenario import ServePlan
+    from .core.specs import looks_like_path
+    from .core.yamlio import safe_name
+    from .engine.http import check_endpoint
+    from .servescenario import ServePlan, check_plan
 
-    if endpoint and not endpoint.startswith(("http://", "https://")):
-        raise HarnessError(f"not an http(s) URL: {endpoint}", key="--endpoint",
-                           fix="e.g. --endpoint http://127.0.0.1:8080")
+    endpoint = check_endpoint(endpoint, allow_remote) if endpoint else None
     slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms)) if v}
-    label = Path(model).stem if model.endswith(".gguf") else model
+    label = safe_name(Path(model).stem) if looks_like_path(model) else safe_name(model)
     plan = ServePlan(None, f"serve-{label}", f"Serving {label}", "", model, dtype, 0,
-                     _levels(concurrency, rate), server, endpoint, slots, n_requests,
-                     duration_s, prompt, generate, warmup, threads, prefix_cache, inprocess,
-                     slo=slo, rounds=rounds, pin_slots=pin_slots)
-    _serve(plan, out or Path("reports/runs") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-           cache_dir, resume=False)
+                     _levels(concurrency, rate), _server_option(server), endpoint, slots,
+                     n_requests, duration_s, prompt, generate, warmup, threads, prefix_cache,
+                     inprocess, slo=slo, rounds=rounds, pin_slots=pin_slots)
+    check_plan(plan)  # what the run would refuse once started, refused before anything is
+    _serve(plan, out or default_run_dir(plan.name, False), cache_dir, resume=False)
+
+
+def _server_option(server: str) -> str:
+    """--server: built, xllamacpp, or the path of an executable file given on the command line
+    (absolute from here on, so no later look-up through PATH finds another)."""
+    if server in ("built", "xllamacpp"):
+        return server
+    import os
+
+    binary = Path(server).expanduser()
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise HarnessError(f"no executable file at {server}", key="--server",
+                           fix="give the path of a llama-server binary, or built or xllamacpp")
+    return str(binary.resolve())
 
 
 def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
@@ -177,8 +217,15 @@ def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
         plan = replace(plan, server=str(built_binary()))
     path, n_vocab = _served_model(plan.model, plan.dtype, cache_dir)
     run = serving_run(plan, path, n_vocab, physical_cores())
-    report = run_serving(run, out, sys.argv, say=lambda line: click.echo(line, err=True),
-                         resume=resume)
+    try:
+        report = run_serving(run, out, sys.argv, say=lambda line: click.echo(line, err=True),
+                             resume=resume)
+    except (HarnessError, OSError) as exc:
+        if plan.path is not None and is_disk_full(exc):
+            click.echo(f"stopped: the disk is full; the finished levels are kept in {out}; "
+                       f"free some disk, then resume with: harness run {plan.path} --out {out} "
+                       "--resume", err=True)
+        raise
     click.echo(str(report))
 
 
@@ -221,6 +268,17 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
     click.echo(f"{spec.name} {kind.name}: {built.n_bytes / 2**30:.3f} GiB, {note}", err=True)
 
 
+def _serving_options(fn):
+    """--server and --allow-remote, which `run` and `check` take for a serving scenario."""
+    fn = click.option("--allow-remote", is_flag=True,
+                      help="A serving scenario's endpoint may be another machine's server "
+                           "(it will be loaded).")(fn)
+    return click.option("--server", "server", metavar="PATH",
+                        help="A serving scenario: run this llama-server binary instead of the "
+                             "scenario's server (a scenario names only xllamacpp or built)."
+                        )(fn)
+
+
 @cli.command()
 @click.argument("scenario", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
@@ -238,19 +296,23 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
 @click.option("--relabel", is_flag=True,
               help="With --ray --resume: a node that is another machine than its label's earlier "
                    "results is recorded under a new label (LABEL.2, ...) instead of refused.")
+@_serving_options
 def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         cache_dir: Path | None, ray_address: str | None, nodes: tuple[str, ...],
-        relabel: bool) -> None:
+        relabel: bool, server: str | None = None, allow_remote: bool = False) -> None:
     """Measure prefill and decode for every cell of SCENARIO (a YAML file; one with a
     `serve:` block is a serving run, see docs/serving.md)."""
     if relabel and not (ray_address and resume):
         raise HarnessError("--relabel renames resumed fleet nodes that are other machines",
                            key="--relabel", fix="use it with --ray ADDRESS --resume, or drop it")
-    from .servescenario import is_serving_scenario, load_serving_scenario
+    from .servescenario import is_serving_scenario
 
     if is_serving_scenario(scenario) and (ray_address or nodes):
         raise HarnessError("a serving scenario runs on this machine", key="--ray",
                            fix="drop --ray/--nodes, or start harness serve on each machine")
+    if (server or allow_remote) and not is_serving_scenario(scenario):
+        raise HarnessError("--server and --allow-remote are for serving scenarios",
+                           key="--server" if server else "--allow-remote", fix="drop it")
     if ray_address:
         return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir,
                           relabel)
@@ -258,7 +320,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         raise HarnessError("--nodes chooses nodes of a Ray cluster", key="--nodes",
                            fix="add --ray ADDRESS (or --ray local), or drop --nodes")
     if is_serving_scenario(scenario):
-        plan = load_serving_scenario(scenario)
+        plan = _serving_plan(scenario, server, allow_remote)
         return _serve(plan, out or default_run_dir(plan.name, resume), cache_dir, resume)
     from .engine.env import collect_env, physical_cores
     from .engine.results import RunWriter
@@ -281,9 +343,11 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
             analysis = _interruptible(lambda: run_scenario(
                 plan, writer, env_info, strict=strict, cache_dir=cache_dir,
                 console=console, argv=sys.argv))
-        except (KeyboardInterrupt, HarnessError) as exc:
+        except (KeyboardInterrupt, HarnessError, OSError) as exc:
             n = len(writer.records.measured_ids)
-            what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "stopped"
+            what = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
+                    "stopped: the disk is full (free some, then resume)" if is_disk_full(exc)
+                    else "stopped")
             click.echo(f"\n{what}: {n} of {len(plan.measurements)} measurements and "
                        f"{len(writer.records.repetitions)} repetitions kept in {run_dir}; "
                        f"resume with: harness run {scenario} --out {run_dir} --resume",
@@ -300,6 +364,19 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     click.echo(str(run_dir))
     if failures:
         sys.exit(EXIT_FAILURE)
+
+
+def _serving_plan(scenario: Path, server: str | None, allow_remote: bool):
+    """A serving scenario, validated, with the command line's --server."""
+    from dataclasses import replace
+
+    from .servescenario import check_plan, load_serving_scenario
+
+    plan = load_serving_scenario(scenario, allow_remote)
+    if server:
+        plan = replace(plan, server=_server_option(server))
+        check_plan(plan)
+    return plan
 
 
 @cli.command()
@@ -333,16 +410,21 @@ def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt:
          generate: int, repetitions: str, min_repetitions: int, max_repetitions: int,
          target_ci: float, mmap: bool, against: str, cache_dir: Path | None) -> None:
     """Time REAL (a GGUF file) beside its random-weight twin: twin ÷ real per phase."""
+    from .core.yamlio import safe_name
     from .engine.build import check_gguf_file, write_text_atomically
     from .engine.scenario import twin_scenario_text
+    from .weights.gguf_inspect import file_dtype, spec_from_gguf
 
     check_gguf_file(real)
+    spec_from_gguf(real)  # a header the run would refuse is refused before anything is written
+    if against != "twin":
+        file_dtype(real)
     threads_value = threads if threads == "auto" else _whole(threads, "--threads")
     reps = repetitions if repetitions == "auto" else _whole(repetitions, "--repetitions")
     random = ("twin", "built") if against == "both" else (against,)
     text = twin_scenario_text(real, threads_value, prompt, generate, reps, min_repetitions,
                               max_repetitions, target_ci, mmap, random)
-    run_dir = out or default_run_dir(f"twin-{real.stem}", False)
+    run_dir = out or default_run_dir(f"twin-{safe_name(real.stem)}", False)
     scenario = run_dir / "twin.yaml"
     if scenario.exists() and scenario.read_text() != text:
         raise HarnessError("the run directory holds another twin scenario", source=str(run_dir),
@@ -411,16 +493,21 @@ def routing(model: str, dtype: str, prompt: int, generate: int, threads: int, se
 @click.argument("scenario", type=click.Path(path_type=Path))
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Model cache (default: $HARNESS_CACHE_DIR or the user cache dir).")
-def check(scenario: Path, cache_dir: Path | None) -> None:
+@_serving_options
+def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
+          allow_remote: bool = False) -> None:
     """Validate SCENARIO and list what `run` would measure, without running anything."""
     from .engine.env import physical_cores
     from .engine.scenario import load_scenario
     from .report.tables import repetitions_label, test_label
     from .runner import plan_summary, preflight
-    from .servescenario import is_serving_scenario, load_serving_scenario
+    from .servescenario import is_serving_scenario
 
+    if (server or allow_remote) and not is_serving_scenario(scenario):
+        raise HarnessError("--server and --allow-remote are for serving scenarios",
+                           key="--server" if server else "--allow-remote", fix="drop it")
     if is_serving_scenario(scenario):
-        serve = load_serving_scenario(scenario)
+        serve = _serving_plan(scenario, server, allow_remote)
         levels = ", ".join(level.label for level in serve.levels)
         where = serve.endpoint or f"{serve.server}, {serve.slots} slots"
         click.echo(f"{serve.title}: serving {serve.model} ({serve.dtype}) on {where}; levels "
@@ -489,7 +576,12 @@ def default_run_dir(name: str, resume: bool, base: Path | None = None) -> Path:
     scenario."""
     import datetime as dt
 
+    from .core.yamlio import NAME_RULE, is_name
+
     base = base or Path("reports") / "runs"
+    if not is_name(name):  # the loaders refuse such names; a folder must stay in base
+        raise HarnessError(f"{name[:40]!r} is not a name: {NAME_RULE}", key="name",
+                           fix="rename it")
     if resume:
         runs = sorted(base.glob(f"{name}-*"))
         if not runs:
@@ -741,9 +833,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except OSError as exc:  # a disk filling up or a file vanishing mid-way
         where = f"{exc.filename}: " if exc.filename else ""
-        click.echo(f"error: {where}{exc.strerror or exc} (check free disk space and "
+        if is_disk_full(exc):
+            click.echo(f"error: {where}{exc.strerror or exc} (free some disk; a run keeps "
+                       "what it finished: resume it with --resume)", err=True)
+            sys.exit(EXIT_DISK_FULL)
+        click.echo(f"error: {where}{exc.strerror or exc} (check the path and its "
                    "permissions)", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except Exception as exc:
         import os
 

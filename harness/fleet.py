@@ -11,8 +11,9 @@ each node where its records stop. Only this module imports Ray.
 from __future__ import annotations
 
 import json
+import os
 import queue
-import re
+import secrets
 import socket
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from . import __version__
 from .core.errors import HarnessError
+from .core.yamlio import NAME_RULE, is_name
 from .engine.measure import now_iso
 from .engine.results import RESULTS_FILE, Records, RunWriter, file_record, read_records
 
@@ -29,7 +31,6 @@ LABEL_KEY = "harness-label"  # a Ray node label (ray start --labels) naming the 
 INSTALL_FIX = "install it with: pip install 'harness[ray]'"
 FLEET_FILE = "fleet.json"
 CHECK_SECONDS = 300  # the per-node check loads llama.cpp and the scenario: seconds, not minutes
-_LABEL_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,16 @@ def version_mismatch(own: dict, expected: dict) -> str | None:
     return ", ".join(diff) or None
 
 
-IDENTITY_KEYS = ("hostname", "cpu_model", "physical_cores", "ram_total_bytes", "ggml_commit")
+IDENTITY_KEYS = ("hostname", "machine_id", "cpu_model", "physical_cores", "ram_total_bytes",
+                 "ggml_commit")
 RAM_TOLERANCE = 0.01  # the kernel's reserved memory moves total RAM by megabytes between boots
 
 
 def machine_identity(env: dict) -> dict:
-    """What makes a node the same machine as before: host, CPU, cores, RAM, ggml commit."""
-    return {"hostname": env.get("hostname"), "cpu_model": env.get("cpu_model"),
+    """What makes a node the same machine as before: host, machine id (a rescheduled pod keeps
+    its hostname, not its /etc/machine-id), CPU, cores, RAM, ggml commit."""
+    return {"hostname": env.get("hostname"), "machine_id": env.get("machine_id"),
+            "cpu_model": env.get("cpu_model"),
             "physical_cores": env.get("physical_cores"),
             "ram_total_bytes": env.get("ram_total_bytes"),
             "ggml_commit": (env.get("llama") or {}).get("ggml_commit")}
@@ -91,6 +95,8 @@ def identity_differences(now: dict, before: dict) -> list[str]:
     for key in IDENTITY_KEYS:
         a, b = now.get(key), before.get(key)
         if key == "ram_total_bytes" and a and b and abs(a - b) <= RAM_TOLERANCE * b:
+            continue
+        if key == "machine_id" and b is None:  # recorded before harness kept it
             continue
         if a != b:
             out.append(f"{key} {_shown(key, a)} (was {_shown(key, b)})")
@@ -200,11 +206,35 @@ def import_ray():
     return ray
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def _local_cluster_auth() -> None:
+    """Token authentication for the one-node cluster `--ray local` starts: the node advertises
+    127.0.0.1, but Ray's GCS and raylet listen on every interface, and without a token anyone
+    who reaches those ports can run code here. A random token, in this process' environment,
+    reaches the cluster's processes and no one else (a RAY_AUTH_MODE of the user's is kept)."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    try:  # the module token authentication came with (Ray 2.5x)
+        import ray._private.authentication.authentication_token_setup  # noqa: F401
+        from ray._raylet import Config
+    except ImportError:
+        raise HarnessError("this Ray has no token authentication: a local cluster's ports "
+                           "would take commands from anyone who reaches them", key="--ray",
+                           fix="pip install -U 'ray>=2.52'") from None
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    Config.initialize("")  # Ray caches its configuration at import: read the mode again
+
+
 def connect(ray, address: str) -> None:
     """Join the cluster at address (`auto`: the one this machine belongs to; `local`: start a
     one-node cluster here, without the dashboard)."""
     if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        _local_cluster_auth()
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _node_ip_address=LOOPBACK)
         return
     if address != "auto":
         _check_reachable(address)
@@ -246,10 +276,9 @@ def alive_nodes(raw: list[dict]) -> list[Node]:
         if not label:
             label = f"{host}-{per_host.get(host, 0)}"
             per_host[host] = per_host.get(host, 0) + 1
-        if not _LABEL_OK.match(label):
-            raise HarnessError(f"node {n['NodeID'][:12]} has the label {label!r}, which cannot "
-                               "name a directory", key=LABEL_KEY,
-                               fix="use letters, digits, '.', '_' and '-'")
+        if not is_name(label):
+            raise HarnessError(f"node {n['NodeID'][:12]} has the label {label[:40]!r}, which "
+                               "cannot name a directory", key=LABEL_KEY, fix=f"use {NAME_RULE}")
         out.append(Node(n["NodeID"], label, host, float(n.get("Resources", {}).get("CPU", 0))))
     return out
 

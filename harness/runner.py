@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__
 from .core.costs import kv_n_bytes_per_token, model_costs
 from .core.dtypes import DTYPES, DType
-from .core.errors import HarnessError, MeasurementError
+from .core.errors import EXIT_BUSY, HarnessError, MeasurementError
 from .core.rounds import contrast_pairs, group_by_memory, round_order, stop_reason, widest_ci
 from .core.specs import ModelSpec, resolve_spec
 from .engine import noise
@@ -34,7 +34,7 @@ from .weights.gguf_inspect import spec_from_gguf, tensor_table
 class NoisyMachine(HarnessError):
     """--strict: other processes were using the CPU, so the run stopped."""
 
-    exit_code = 3
+    exit_code = EXIT_BUSY
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .core.dtypes import get_dtype
+from .core.errors import HarnessError
 from .core.serving import SLO_KEYS
 from .core.yamlio import (
     Doc,
@@ -16,15 +18,22 @@ from .core.yamlio import (
     want_float,
     want_int,
     want_mapping,
+    want_name,
     want_str,
 )
+from .engine.http import check_endpoint
 from .engine.load import REQUEST_TIMEOUT_S, Level
+from .engine.scenario import resolve_model_ref
 
 TOP_KEYS = ["name", "title", "description", "model", "dtype", "seed", "serve"]
 SERVE_KEYS = ["server", "endpoint", "slots", "concurrency", "rate", "requests", "duration_s",
               "prompt", "generate", "warmup", "threads", "prefix_cache", "inprocess",
               "rounds", "timeout_s", "slo", "pin_slots"]
 MAX_TOKENS = 1 << 20
+# The servers a scenario may name: the ones the harness installs (the xllamacpp wheel) or
+# builds (harness server build). A binary of the user's own comes only from the command line.
+SCENARIO_SERVERS = ("xllamacpp", "built")
+SLOT_MARGIN = 16  # tokens each slot holds beyond prompt + output (serving.serving_run)
 
 
 @dataclass(frozen=True)
@@ -65,29 +74,64 @@ def is_serving_scenario(path: Path) -> bool:
     return isinstance(data, dict) and "serve" in data
 
 
-def load_serving_scenario(path: Path) -> ServePlan:
-    """Parse and validate a serving scenario."""
+def load_serving_scenario(path: Path, allow_remote: bool = False) -> ServePlan:
+    """Parse and validate a serving scenario: everything `harness run` would refuse (the model,
+    its dtype, the server, prompt + output against the model's context, repeated levels, a
+    remote endpoint without --allow-remote) is refused here, with its line."""
     text = read_text(path, "scenario")
     doc = parse_yaml(text, str(path))
     data = want_mapping(doc, (), doc.data)
     check_keys(doc, (), data, TOP_KEYS, ("name", "model", "serve"))
     serve = want_mapping(doc, ("serve",), data["serve"])
     check_keys(doc, ("serve",), serve, SERVE_KEYS)
-    name = want_str(doc, ("name",), data["name"])
+    name = want_name(doc, ("name",), data["name"])
     model = _beside(want_str(doc, ("model",), data["model"]), path.parent)
-    return ServePlan(
+    dtype = want_str(doc, ("dtype",), data.get("dtype", "f16"))
+    plan = ServePlan(
         path=path, name=name, title=want_str(doc, ("title",), data.get("title", name)),
-        description=str(data.get("description") or ""), model=model,
-        dtype=want_str(doc, ("dtype",), data.get("dtype", "f16")),
+        description=str(data.get("description") or ""), model=model, dtype=dtype,
         seed=want_int(doc, ("seed",), data.get("seed", 0), minimum=0, maximum=2**63 - 1),
-        levels=_levels(doc, serve), **_serve_options(doc, serve))
+        levels=_levels(doc, serve), **_serve_options(doc, serve, allow_remote))
+    try:
+        check_plan(plan)
+    except HarnessError as exc:  # located at the key it names
+        where = _PLAN_KEYS.get(exc.key or "", ("model",))
+        raise doc.error(where, exc.message, fix=exc.fix) from None
+    return plan
 
 
-def _serve_options(doc: Doc, s: dict) -> dict:
+# check_plan's keys (the command line's) and where a scenario holds each
+_PLAN_KEYS = {"MODEL": ("model",), "--dtype": ("dtype",), "--prompt": ("serve", "prompt"),
+              "--server": ("serve", "server"), "server": ("serve", "server")}
+
+
+def check_plan(plan: ServePlan) -> int:
+    """Refuse what a serving run would refuse once started (the model, its dtype, prompt +
+    output beyond its context, a server not built); return the model's context length."""
+    try:
+        ref = resolve_model_ref(plan.model, [get_dtype(plan.dtype, key="--dtype").name])[0]
+    except HarnessError as exc:
+        if exc.key == "--dtype":
+            raise
+        raise HarnessError(exc.render(), key="MODEL") from None
+    need = plan.n_prompt + plan.n_generate + SLOT_MARGIN
+    if not plan.endpoint and need > ref.max_context:
+        raise HarnessError(f"prompt + generate + {SLOT_MARGIN} = {need:,} tokens per slot "
+                           f"exceeds {ref.label}'s context length {ref.max_context:,}",
+                           key="--prompt", fix="keep prompt + generate at most "
+                                               f"{ref.max_context - SLOT_MARGIN:,}")
+    if plan.server == "built" and not plan.endpoint:
+        from .engine.serverbuild import built_binary
+
+        built_binary()
+    return ref.max_context
+
+
+def _serve_options(doc: Doc, s: dict, allow_remote: bool) -> dict:
     p = ("serve",)
     out = {
-        "server": want_str(doc, p + ("server",), s.get("server", "xllamacpp")),
-        "endpoint": _endpoint(doc, s.get("endpoint")),
+        "server": _server(doc, s.get("server", "xllamacpp")),
+        "endpoint": _endpoint(doc, s.get("endpoint"), allow_remote),
         "slots": want_int(doc, p + ("slots",), s.get("slots", 4), minimum=1, maximum=256),
         "n_requests": want_int(doc, p + ("requests",), s.get("requests", 32), minimum=1,
                                maximum=100_000),
@@ -111,14 +155,25 @@ def _serve_options(doc: Doc, s: dict) -> dict:
     return out
 
 
-def _endpoint(doc: Doc, value: object) -> str | None:
+def _server(doc: Doc, value: object) -> str:
+    server = want_str(doc, ("serve", "server"), value)
+    if server not in SCENARIO_SERVERS:
+        raise doc.error(("serve", "server"), f"{server[:60]!r} is not a server the harness "
+                        "installs or builds (a scenario never names a program to run)",
+                        fix="write server: xllamacpp or server: built; a llama-server binary "
+                            "of your own goes on the command line: --server PATH")
+    return server
+
+
+def _endpoint(doc: Doc, value: object, allow_remote: bool) -> str | None:
     if value is None:
         return None
     url = want_str(doc, ("serve", "endpoint"), value)
-    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-        raise doc.error(("serve", "endpoint"), f"not an http(s) URL: {url}",
-                        fix="write e.g. endpoint: http://127.0.0.1:8080")
-    return url.rstrip("/")
+    try:
+        return check_endpoint(url, allow_remote)
+    except HarnessError as exc:
+        raise doc.error(("serve", "endpoint"), exc.message,
+                        fix=(exc.fix or "").replace("--endpoint", "endpoint:")) from None
 
 
 def _slo(doc: Doc, value: object) -> dict:
@@ -129,13 +184,19 @@ def _slo(doc: Doc, value: object) -> dict:
 
 
 def _levels(doc: Doc, s: dict) -> tuple[Level, ...]:
-    levels = [Level(concurrency=want_int(doc, ("serve", "concurrency", i), c, minimum=1,
-                                         maximum=4096))
-              for i, c in enumerate(_as_list(s.get("concurrency", [1] if "rate" not in s
-                                                   else [])))]
-    levels += [Level(rate=want_float(doc, ("serve", "rate", i), r, minimum=0,
-                                     exclusive_min=True))
-               for i, r in enumerate(_as_list(s.get("rate", [])))]
+    levels, seen = [], set()
+    for kind in ("concurrency", "rate"):
+        values = s.get(kind, [1] if kind == "concurrency" and "rate" not in s else [])
+        for i, value in enumerate(_as_list(values)):
+            where = ("serve", kind, i)
+            level = (Level(concurrency=want_int(doc, where, value, minimum=1, maximum=4096))
+                     if kind == "concurrency" else
+                     Level(rate=want_float(doc, where, value, minimum=0, exclusive_min=True)))
+            if level.key in seen:  # two levels of one key would share their records
+                raise doc.error(where, f"the level {level.label} is listed twice",
+                                fix="list each once")
+            seen.add(level.key)
+            levels.append(level)
     if not levels:
         raise doc.error(("serve",), "no load level", fix="add concurrency: [1, 2] or rate: [1]")
     return tuple(levels)

@@ -97,3 +97,46 @@ def assert_user_error(result: Result, *needles: str) -> None:
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+# --- the suite leaves the tree as it found it ------------------------------------------------
+
+# What a test run may leave in the checkout: the environment and the tools' own caches.
+TOOL_CACHES = (".venv/", ".pytest_cache/", ".ruff_cache/", ".hypothesis/", ".import_linter_cache/")
+
+
+def _tree_entries() -> set[str] | None:
+    """`git status --porcelain --ignored` of the checkout, less the tool caches; None outside
+    a git checkout."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = {line[3:] for line in done.stdout.splitlines() if line.strip()}
+    return {e for e in entries if not e.startswith(TOOL_CACHES)
+            and "__pycache__" not in e and not e.endswith(".egg-info/")}
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")  # the controller alone sees the whole run
+
+
+def pytest_sessionstart(session):
+    if not _is_xdist_worker(session.config):
+        session.config._tree_before = _tree_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _is_xdist_worker(session.config):
+        return
+    before, after = session.config._tree_before, _tree_entries()
+    if before is None or after is None:
+        return
+    left = sorted(after - before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"the tests left files in the checkout: {', '.join(left)}",
+                                red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

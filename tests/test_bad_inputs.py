@@ -4,14 +4,21 @@ the key path and line (where YAML has them) and the fix, leaving nothing behind.
 Each file states what its error must say in its first lines:
     # expect-at: LINE [KEY.PATH]
     # expect: words that must appear, comma-separated
-(s_*.yaml are scenarios, run with `harness run`; m_*.yaml are model specs, given to
-`harness build`; a directory holds its expectations in EXPECT.)
+    # absent: words that must not appear (a file's content the error must not echo)
+(s_*.yaml are scenarios, run with `harness run` and `harness check`; m_*.yaml are model specs,
+given to `harness build`; c_*.yaml hold only comments and name their own command line,
+    # command: ARGS
+where {here} is this folder, {out} a fresh folder that must stay empty and {fifo} a named
+pipe made for the case (a pipe cannot be committed); a directory holds its expectations in
+EXPECT.) The GGUF files g_*.gguf are written by scripts/make_bad_ggufs.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -26,12 +33,17 @@ from harness.core.yamlio import parse_yaml
 from harness.engine.scenario import load_scenario
 
 BAD = Path(__file__).resolve().parent / "bad_inputs"
-CASES = sorted(p for p in BAD.iterdir() if p.name.startswith(("s_", "m_")))
+CASES = sorted(p for p in BAD.iterdir() if p.name.startswith(("s_", "m_", "c_")))
+ROOT = BAD.parent.parent
+
+
+def _raw(path: Path) -> str:
+    return (path / "EXPECT" if path.is_dir() else path).read_bytes().decode("latin-1")
 
 
 def expectations(path: Path) -> tuple[int | None, str | None, list[str]]:
     """The line, key path and words a case's error must contain."""
-    raw = (path / "EXPECT" if path.is_dir() else path).read_bytes().decode("latin-1")
+    raw = _raw(path)
     at = re.search(r"^#? ?expect-at: (\d+)(?: (\S+))?$", raw, re.M)
     words = re.search(r"^#? ?expect: (.+)$", raw, re.M)
     assert words, f"{path.name} states no expectation"
@@ -39,21 +51,52 @@ def expectations(path: Path) -> tuple[int | None, str | None, list[str]]:
             [w.strip() for w in words.group(1).split(",")])
 
 
+def _directive(path: Path, name: str) -> str | None:
+    found = re.search(rf"^# {name}: (.+)$", _raw(path), re.M)
+    return found.group(1).strip() if found else None
+
+
+def _command(path: Path, tmp_path: Path) -> list[str]:
+    """A c_ case's command line, its placeholders filled in."""
+    out = tmp_path / "out"
+    out.mkdir()
+    fifo = tmp_path / "pipe"
+    text = _directive(path, "command")
+    assert text, f"{path.name} names no command"
+    if "{fifo}" in text:
+        suffix = re.search(r"\{fifo\}(\S*)", text).group(1)
+        os.mkfifo(f"{fifo}{suffix}")
+    return [w.format(here=BAD, out=out, fifo=fifo) for w in shlex.split(text)]
+
+
+def _runs_folder() -> set[str]:
+    runs = ROOT / "reports" / "runs"
+    return {p.name for p in runs.iterdir()} if runs.is_dir() else set()
+
+
 def test_the_corpus_is_big_enough():
     assert len([p for p in CASES if p.name.startswith("s_")]) >= 30
     assert len([p for p in CASES if p.name.startswith("m_")]) >= 10
+    assert len([p for p in CASES if p.name.startswith("c_")]) >= 10
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.name for p in CASES])
 def test_bad_input_is_refused_clearly(path, run_cli, tmp_path):
     line, key, words = expectations(path)
     out, cache = tmp_path / "run", tmp_path / "cache"
+    runs_before = _runs_folder()
     if path.name.startswith("s_"):
         result = run_cli("run", str(path), "--out", str(out), "--cache-dir", str(cache))
+    elif path.name.startswith("c_"):
+        result = run_cli(*_command(path, tmp_path))
+        assert not any((tmp_path / "out").iterdir()), "a refused command wrote a file"
     else:
         result = run_cli("build", str(path), "--cache-dir", str(cache))
-    assert_user_error(result, path.name, *words)
+    assert_user_error(result, *([] if path.name.startswith("c_") else [path.name]), *words)
+    assert _runs_folder() == runs_before, "a refused command wrote under reports/runs"
     message = result.stderr.strip()
+    for word in (_directive(path, "absent") or "").split(","):
+        assert not word.strip() or word.strip() not in message, message
     if line is not None:
         assert f"{path.name}:{line}: " in message, message
     if key is not None:

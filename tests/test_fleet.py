@@ -73,8 +73,8 @@ def test_node_run_streams_records_that_make_a_local_run(tmp_path, monkeypatch):
     assert set(streamed.measurements[0]) == set(plain.measurements[0])
 
 
-IDENTITY = {"hostname": "lab", "cpu_model": "EPYC", "physical_cores": 2,
-            "ram_total_bytes": 24 * 2**30, "ggml_commit": "0c1e570"}
+IDENTITY = {"hostname": "lab", "machine_id": "5f0c2b1e9d3a4c77", "cpu_model": "EPYC",
+            "physical_cores": 2, "ram_total_bytes": 24 * 2**30, "ggml_commit": "0c1e570"}
 
 
 def test_a_machine_is_known_by_host_cpu_cores_ram_and_ggml():
@@ -204,6 +204,7 @@ def _namespace_ok() -> str | None:
     return None
 
 
+@pytest.mark.xdist_group("ray")  # one after another: Ray's session folders are shared
 @pytest.mark.parametrize("case", ["local", "two_nodes", "refusals", "fault_and_resume",
                                   "interrupt", "replaced_machine", "writer_failure"])
 def test_cluster_case(case, tmp_path):

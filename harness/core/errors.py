@@ -5,6 +5,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a measurement or llama.cpp step failed after the input was accepted
 EXIT_USAGE = 2  # bad input or a refused resource: nothing was run or written
+EXIT_BUSY = 3  # --strict, and other processes loaded the CPU (runner.NoisyMachine)
+EXIT_DISK_FULL = 4  # the disk filled up mid-way: what was written is kept, resume when freed
 EXIT_INTERRUPTED = 130
 
 
@@ -33,6 +35,21 @@ class HarnessError(Exception):
         key = f"{self.key}: " if self.key else ""
         fix = f" ({self.fix})" if self.fix else ""
         return f"{where}{key}{self.message}{fix}".replace("\n", " ")
+
+
+class DiskFull(HarnessError):
+    """The disk filled up (or a quota ran out) while writing."""
+
+    exit_code = EXIT_DISK_FULL
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """DiskFull, or an OSError that says no space is left (ENOSPC) or a quota is spent
+    (EDQUOT)."""
+    import errno
+
+    return isinstance(exc, DiskFull) or (isinstance(exc, OSError)
+                                         and exc.errno in (errno.ENOSPC, errno.EDQUOT))
 
 
 class MeasurementError(HarnessError):

@@ -14,10 +14,12 @@ from .yamlio import (
     check_keys,
     did_you_mean,
     load_yaml_file,
+    safe_name,
     want_bool,
     want_float,
     want_int,
     want_mapping,
+    want_name,
     want_str,
 )
 
@@ -280,7 +282,7 @@ def spec_from_doc(doc: Doc, default_name: str) -> ModelSpec:
     if ARCHS[arch].qkv_bias == "absent" and bias:
         raise doc.error(("attention_bias",), f"llama.cpp's {arch} loader reads no q/k/v biases",
                         fix="set attention_bias: false")
-    name = want_str(doc, ("name",), data.get("name", default_name))
+    name = want_name(doc, ("name",), data["name"]) if "name" in data else safe_name(default_name)
     source = data.get("source")
     extras = _gemma_fields(doc, data) | _moe_fields(doc, data, ARCHS[arch])
     return ModelSpec(
@@ -348,8 +350,12 @@ def _moe_fields(doc: Doc, data: dict, arch: Arch) -> dict:
 
 
 def load_spec_file(path: Path | str) -> ModelSpec:
-    """Load and validate one spec YAML."""
+    """Load and validate one spec YAML (a .yaml or .yml file: nothing else is read)."""
     path = Path(path)
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise HarnessError("a model spec is a .yaml file", source=str(path),
+                           fix="name a spec .yaml file, a spec name (harness models) or, where "
+                               "a .gguf is taken, a .gguf file")
     return spec_from_doc(load_yaml_file(path, "model spec"), path.stem)
 
 

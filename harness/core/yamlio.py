@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,17 +46,42 @@ def format_path(path: tuple) -> str:
     return out
 
 
+# What a hand-written YAML file needs, far below what exhausts memory or Python's stack: a
+# scenario or spec is a few KB, nests 4-5 levels, and names no anchor more than a few times.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_NODES = 100_000  # values after aliases are expanded (a "billion laughs" file stops here)
+MAX_ALIASES = 100
+MAX_NUMBER_CHARS = 64  # a number written with more characters is a typo or an attack
+
+
 def read_text(path: Path, what: str) -> str:
-    """Read a UTF-8 text file, turning every OS problem into a HarnessError."""
-    if not path.exists():
-        raise HarnessError(f"{what} not found", source=str(path), fix="check the path")
-    if path.is_dir():
-        raise HarnessError(f"{what} is a directory, expected a file", source=str(path),
-                           fix="name a .yaml file inside it")
+    """Read a UTF-8 regular file of at most MAX_FILE_BYTES, turning every OS problem into a
+    HarnessError (a device, FIFO or socket is refused unread: it may never end)."""
     try:
-        raw = path.read_bytes()
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise HarnessError(f"{what} not found", source=str(path), fix="check the path") from None
     except OSError as exc:
         raise HarnessError(f"cannot read {what}: {exc.strerror}", source=str(path)) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise HarnessError(f"{what} is a directory, expected a file", source=str(path),
+                           fix="name a .yaml file inside it")
+    if not stat.S_ISREG(info.st_mode):
+        raise HarnessError(f"{what} is not a regular file (a device, pipe or socket)",
+                           source=str(path), fix="name a .yaml file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise HarnessError(f"{what} is {info.st_size:,} bytes, above the limit of "
+                           f"{MAX_FILE_BYTES:,}", source=str(path),
+                           fix="a scenario or spec is a few KB: check the path")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise HarnessError(f"cannot read {what}: {exc.strerror}", source=str(path)) from None
+    if len(raw) > MAX_FILE_BYTES:  # it grew since stat
+        raise HarnessError(f"{what} is above the limit of {MAX_FILE_BYTES:,} bytes",
+                           source=str(path), fix="a scenario or spec is a few KB")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -69,9 +97,20 @@ def load_yaml_file(path: Path | str, what: str = "YAML file") -> Doc:
 
 
 def parse_yaml(text: str, source: str) -> Doc:
-    """Parse YAML text; duplicate keys and non-finite numbers are errors."""
+    """Parse YAML text within the limits above; duplicate keys and non-finite numbers are
+    errors."""
+    if len(text) > MAX_FILE_BYTES:
+        raise HarnessError(f"above the limit of {MAX_FILE_BYTES:,} characters", source=source,
+                           fix="a scenario or spec is a few KB")
     try:
+        _check_events(text, source)  # the event parser is iterative; compose recurses
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.reader.ReaderError as exc:  # a control character: no mark, a position
+        char = (f"U+{exc.character:04X}" if isinstance(exc.character, int)
+                else repr(exc.character))
+        raise HarnessError(f"invalid YAML: character {char} is not allowed",
+                           source=source, line=text[: exc.position].count("\n") + 1,
+                           fix="remove it, or save the file as plain text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
@@ -81,14 +120,45 @@ def parse_yaml(text: str, source: str) -> Doc:
     lines: dict[tuple, int] = {}
     if node is None:
         return Doc(source, None, lines)
-    data = _construct(node, (), lines, source)
+    data = _construct(node, (), lines, source, [0])
     return Doc(source, data, lines)
+
+
+def _check_events(text: str, source: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and more than MAX_ALIASES aliases before any node
+    is composed."""
+    depth = aliases = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _limit(source, event, f"nested deeper than {MAX_DEPTH} levels",
+                             "flatten it")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        elif isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_ALIASES:
+                raise _limit(source, event, f"more than {MAX_ALIASES} aliases (*name)",
+                             "write the values out")
+
+
+def _limit(source: str, where, what: str, fix: str) -> HarnessError:
+    return HarnessError(f"{what}, the limit for a scenario or spec", source=source,
+                        line=where.start_mark.line + 1, fix=fix)
 
 
 _SCALAR = yaml.SafeLoader("")
 
 
-def _construct(node: yaml.Node, path: tuple, lines: dict, source: str) -> Any:
+def _construct(node: yaml.Node, path: tuple, lines: dict, source: str, count: list) -> Any:
+    """Plain data from a node, counting every value made (aliases expand into copies, and an
+    anchor may hold itself) against MAX_NODES and MAX_DEPTH."""
+    count[0] += 1
+    if count[0] > MAX_NODES or len(path) > MAX_DEPTH:
+        what = (f"more than {MAX_NODES:,} values once aliases are expanded"
+                if count[0] > MAX_NODES else f"nested deeper than {MAX_DEPTH} levels")
+        raise _limit(source, node, what, "write the values out without aliases")
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
@@ -103,10 +173,11 @@ def _construct(node: yaml.Node, path: tuple, lines: dict, source: str) -> Any:
                                    line=key_node.start_mark.line + 1,
                                    key=format_path(path + (key,)), fix="keep only one")
             lines[path + (key,)] = key_node.start_mark.line + 1
-            out[key] = _construct(value_node, path + (key,), lines, source)
+            out[key] = _construct(value_node, path + (key,), lines, source, count)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(child, path + (i,), lines, source) for i, child in enumerate(node.value)]
+        return [_construct(child, path + (i,), lines, source, count)
+                for i, child in enumerate(node.value)]
     return _construct_scalar(node, source)
 
 
@@ -115,11 +186,16 @@ def _construct_scalar(node: yaml.Node, source: str) -> Any:
         raise HarnessError("mapping keys must be plain words", source=source,
                            line=node.start_mark.line + 1,
                            fix="write each key as a word followed by a colon")
+    numeric = node.tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    if numeric and len(node.value) > MAX_NUMBER_CHARS:
+        raise HarnessError(f"a number of {len(node.value):,} characters, above the limit of "
+                           f"{MAX_NUMBER_CHARS}", source=source, line=node.start_mark.line + 1,
+                           fix="write a shorter number, or quote it if it is meant as text")
     try:
         value = _SCALAR.construct_object(node, deep=True)
     except (yaml.YAMLError, ValueError, OverflowError) as exc:
-        raise HarnessError(f"invalid value {node.value!r}: {exc}", source=source,
-                           line=node.start_mark.line + 1,
+        raise HarnessError(f"invalid value {node.value[:40]!r}: {str(exc)[:80]}",
+                           source=source, line=node.start_mark.line + 1,
                            fix="quote it if it is meant as text") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise HarnessError(f"non-finite number {node.value!r}", source=source,
@@ -194,15 +270,48 @@ def want_str(doc: Doc, path: tuple, value: object) -> str:
     return value
 
 
+# A name becomes a file or folder name (run folders, cached builds): no separators, no
+# leading dot, nothing a shell or a file system reads as more than a name.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NAME_RULE = ("letters, digits, '.', '-' and '_', starting with a letter or digit, at most 100 "
+             "characters")
+
+
+def is_name(value: object) -> bool:
+    """Whether value may be a scenario, spec, fleet or serving name (NAME_PATTERN)."""
+    return isinstance(value, str) and NAME_PATTERN.fullmatch(value) is not None
+
+
+def safe_name(text: str) -> str:
+    """A name made from free text (a file's stem): every other character run becomes '-'."""
+    if is_name(text):
+        return text
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).lstrip("._-")[:100].rstrip("-")
+    return name or "model"
+
+
+def want_name(doc: Doc, path: tuple, value: object) -> str:
+    """Return value as a name (NAME_PATTERN), or raise an error naming the key."""
+    name = want_str(doc, path, value)
+    if not is_name(name):
+        raise doc.error(path, f"{name[:40]!r} is not a name: {NAME_RULE}",
+                        fix=f"e.g. {safe_name(name)}")
+    return name
+
+
 def want_mapping(doc: Doc, path: tuple, value: object) -> dict:
     """Return value as a mapping, or raise an error naming the key."""
     if not isinstance(value, dict):
-        raise doc.error(path, f"expected a mapping of keys to values, got {_show(value)}",
+        # the whole file is not echoed: it may be any file the user can read
+        shown = _show(value) if path else _kind(value)
+        raise doc.error(path, f"expected a mapping of keys to values, got {shown}",
                         fix="write `key: value` lines")
     return value
 
 
+def _kind(value: object) -> str:
+    return type(value).__name__ if value is not None else "nothing"
+
+
 def _show(value: object) -> str:
-    text = repr(value)
-    kind = type(value).__name__ if value is not None else "nothing"
-    return f"{kind} {text[:40]}" if value is not None else kind
+    return f"{_kind(value)} {repr(value)[:40]}" if value is not None else _kind(value)

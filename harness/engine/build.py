@@ -17,8 +17,9 @@ import platformdirs
 from filelock import FileLock
 
 from ..core.dtypes import DTYPES, QUANT_SOURCE, DType
-from ..core.errors import HarnessError
+from ..core.errors import DiskFull, HarnessError, is_disk_full
 from ..core.specs import ModelSpec, n_params
+from ..core.yamlio import safe_name
 from ..weights.gguf_build import builder_version, file_n_bytes, write_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -79,7 +80,7 @@ def cache_target(spec: ModelSpec, dtype: DType, seed: int, directory: Path,
     """Where the cache keeps this build (a quantized build's source named -f16-spread)."""
     key = cache_key(spec, dtype, seed, spread)[:16]
     kind = "-spread" if dtype.direct and _spread(dtype, spread) else ""
-    return directory / f"{spec.name}-{dtype.name}{kind}-s{seed}-{key}.gguf"
+    return directory / f"{safe_name(spec.name)}-{dtype.name}{kind}-s{seed}-{key}.gguf"
 
 
 def missing_build_n_bytes(spec: ModelSpec, dtype: DType, seed: int,
@@ -246,8 +247,9 @@ def write_text_atomically(path: Path, text: str) -> None:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
-        raise HarnessError(f"cannot write: {exc.strerror or exc}", source=str(path),
-                           fix="choose a writable place with -o, or free some disk") from None
+        kind = DiskFull if is_disk_full(exc) else HarnessError
+        raise kind(f"cannot write: {exc.strerror or exc}", source=str(path),
+                   fix="choose a writable place with -o, or free some disk") from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -260,6 +262,9 @@ def check_gguf_file(path: Path) -> None:
     if path.is_dir():
         raise HarnessError("is a directory, expected a .gguf file", source=str(path),
                            fix="name the .gguf file inside it")
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise HarnessError("is not a regular file (a device, pipe or socket)",
+                           source=str(path), fix="name a .gguf file")
     try:
         with path.open("rb") as f:
             head = f.read(4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import socket
@@ -133,6 +134,16 @@ def harness_provenance() -> dict:
     return out
 
 
+def machine_id() -> str | None:
+    """This OS install's identity (/etc/machine-id, kept across reboots, new on a new machine
+    or image), hashed with the harness' own key as machine-id(5) asks of anything that shows
+    it; None where the file is absent."""
+    raw = (_read("/etc/machine-id") or _read("/var/lib/dbus/machine-id")).strip()
+    if not raw:
+        return None
+    return hashlib.sha256(f"harness machine id:{raw}".encode()).hexdigest()[:16]
+
+
 def collect_env() -> dict:
     """Everything `harness env` shows and every result embeds."""
     from . import llama  # imported late: it loads llama.cpp's shared library
@@ -140,6 +151,7 @@ def collect_env() -> dict:
     mem = memory_bytes()
     env = {
         "hostname": socket.gethostname(),
+        "machine_id": machine_id(),
         "cpu_model": cpu_model(),
         "cpu_flags": cpu_flags(),
         "cpu_freq_mhz": cpu_freq_mhz(),

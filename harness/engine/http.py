@@ -6,11 +6,57 @@ dozen lines, one `data:` payload per event as llama-server and vLLM send them.""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
 
 import httpx
+
+from ..core.errors import HarnessError
+
+# A server that does not accept a connection in this long is not there: a request's own
+# timeout (minutes: a long prompt) must not become a wait on a typo in the endpoint.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def client_timeout(timeout_s: float) -> httpx.Timeout:
+    """A request's timeout with the connect bounded by CONNECT_TIMEOUT_S."""
+    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+
+
+def is_loopback_host(host: str) -> bool:
+    """localhost or a loopback address (127.0.0.0/8, ::1); no name is looked up."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_endpoint(url: str, allow_remote: bool = False) -> str:
+    """An http(s) URL with a host and a valid port, on this machine unless allow_remote; the
+    URL without its trailing slash, or one line saying what is wrong."""
+    fix = "e.g. --endpoint http://127.0.0.1:8080"
+    if not url.startswith(("http://", "https://")):
+        raise HarnessError(f"not an http(s) URL: {url[:80]}", key="--endpoint", fix=fix)
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:
+        raise HarnessError(f"not a valid URL ({str(exc)[:80]}): {url[:80]}", key="--endpoint",
+                           fix=fix) from None
+    if not parsed.host:
+        raise HarnessError(f"no host in {url[:80]}", key="--endpoint", fix=fix)
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise HarnessError(f"not a valid URL (port {parsed.port} is not 1-65535): {url[:80]}",
+                           key="--endpoint", fix=fix)
+    if not allow_remote and not is_loopback_host(parsed.host):
+        raise HarnessError(f"{parsed.host} is not this machine: loading it would send "
+                           "requests to another server", key="--endpoint",
+                           fix="serve on 127.0.0.1, or pass --allow-remote if that server is "
+                               "yours to load")
+    return url.rstrip("/")
 
 
 class SSEFraming:
@@ -82,7 +128,8 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, body: dict
         await asyncio.wait_for(_receive(client, base_url, body, record), timeout_s)
     except asyncio.TimeoutError:
         record["error"] = f"no answer within {timeout_s:g} s"
-    except (httpx.HTTPError, ServerReply, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (httpx.HTTPError, ServerReply, ValueError, KeyError, TypeError, AttributeError,
+            IndexError) as exc:  # a reply that is not the stream asked for fails this request
         record["error"] = f"{type(exc).__name__}: {exc}"[:300]
     record["end_s"] = time.perf_counter()
     return record
@@ -122,7 +169,7 @@ class ServerReply(Exception):
 def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
     """The server answers /health with 200 (llama-server: model loaded)."""
     try:
-        return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
+        return httpx.get(f"{base_url}/health", timeout=client_timeout(timeout_s)).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -130,7 +177,7 @@ def healthy(base_url: str, timeout_s: float = 2.0) -> bool:
 def prometheus_counters(base_url: str, timeout_s: float = 5.0) -> dict[str, float] | None:
     """llama-server's /metrics as {name: value}; None where it has none (no --metrics)."""
     try:
-        resp = httpx.get(f"{base_url}/metrics", timeout=timeout_s)
+        resp = httpx.get(f"{base_url}/metrics", timeout=client_timeout(timeout_s))
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from .http import completion_body, prometheus_counters, stream_completion
+from ..core.errors import MeasurementError
+from .http import client_timeout, completion_body, prometheus_counters, stream_completion
 
 FIRST_TOKEN = 3  # after the synthetic vocabulary's <unk>, <s>, </s>
 REQUEST_TIMEOUT_S = 300.0
+# Warm-up requests that may fail before a level gives up: a server that fails its warm-up
+# fails the level's requests too, and each failure may have waited a whole timeout_s.
+MAX_WARMUP_FAILURES = 1
 
 
 @dataclass(frozen=True)
@@ -68,15 +72,14 @@ async def run_level(base_url: str, level: Level, w: Workload, first: int = 0) ->
     /metrics)."""
     make = prompts(w, level)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(w.timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=client_timeout(w.timeout_s), limits=limits) as client:
         async def send(i: int, slot: int | None = None) -> dict:
             body = completion_body(make(i), w.n_generate, w.cache_prompt)
             if slot is not None:
                 body["id_slot"] = slot
             return await stream_completion(client, base_url, body, w.timeout_s) | {"index": i}
 
-        for i in range(w.warmup):
-            await send(WARMUP_INDEX + i)  # prompts of their own, records not kept
+        await _warm_up(send, w, level)
         before = await asyncio.to_thread(prometheus_counters, base_url)
         started = time.perf_counter()
         records = await (_closed(send, level.concurrency, w, first) if level.concurrency
@@ -85,6 +88,19 @@ async def run_level(base_url: str, level: Level, w: Workload, first: int = 0) ->
         after = await asyncio.to_thread(prometheus_counters, base_url)
     return {"records": records, "wall_s": wall_s, "started_s": started,
             "metrics_before": before, "metrics_after": after}
+
+
+async def _warm_up(send, w: Workload, level: Level) -> None:
+    """The warm-up requests (prompts of their own, records not kept); MAX_WARMUP_FAILURES
+    failed ones end the level with the last one's reason."""
+    failures = 0
+    for i in range(w.warmup):
+        error = (await send(WARMUP_INDEX + i))["error"]
+        failures += error is not None
+        if failures >= MAX_WARMUP_FAILURES:
+            raise MeasurementError(f"the warm-up request at {level.label} failed: {error}",
+                                   key="server", fix="check that the server answers "
+                                   "completions; what earlier levels measured is kept")
 
 
 async def _closed(send, concurrency: int, w: Workload, first: int = 0) -> list[dict]:

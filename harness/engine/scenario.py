@@ -21,6 +21,7 @@ from ..core.yamlio import (
     want_float,
     want_int,
     want_mapping,
+    want_name,
     want_str,
 )
 
@@ -225,7 +226,7 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
     doc = parse_yaml(text, str(path))
     data = want_mapping(doc, (), doc.data)
     check_keys(doc, (), data, _TOP_KEYS, ("name", "models", "tests"))
-    name = want_str(doc, ("name",), data["name"])
+    name = want_name(doc, ("name",), data["name"])
     models = _models(doc, data)
     base = _settings(doc, (), data, None, physical_cores)
     tests = _list(doc, ("tests",), data["tests"])
@@ -293,7 +294,7 @@ def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = Non
             key, ref = key + ("twin_of",), ref["twin_of"]
         ref = _beside(want_str(doc, key, ref), Path(doc.source).parent)
         try:
-            out += _resolve_twin(ref, random) if random else _resolve_model(ref, kinds)
+            out += _resolve_twin(ref, random) if random else resolve_model_ref(ref, kinds)
         except HarnessError as exc:
             raise doc.error(key, exc.render()) from None
     labels = [(m.label, m.dtype) for m in out]
@@ -311,7 +312,8 @@ def _beside(ref: str, scenario_dir: Path) -> str:
     return str(candidate) if candidate.exists() else ref
 
 
-def _resolve_model(ref: str, dtypes: list[str]) -> list[ModelRef]:
+def resolve_model_ref(ref: str, dtypes: list[str]) -> list[ModelRef]:
+    """A scenario's model (a .gguf file, a spec name or spec file) at each dtype, validated."""
     if ref.endswith(".gguf"):
         from ..weights.gguf_inspect import spec_from_gguf
         from .build import check_gguf_file
@@ -364,7 +366,7 @@ def _resolve_twin(ref: str, random: list[str]) -> list[ModelRef]:
     """A real GGUF file and its random-weight stand-ins, compared on every phase."""
     if not ref.endswith(".gguf"):
         raise HarnessError("twin_of names a GGUF file", fix="write twin_of: path/to/model.gguf")
-    real = _resolve_model(ref, [])[0]
+    real = resolve_model_ref(ref, [])[0]
     if "built" in random:
         from ..weights.gguf_inspect import file_dtype
 

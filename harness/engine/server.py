@@ -93,6 +93,24 @@ class RunningServer:
         self.stop()
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int):
+    """preexec_fn: the server gets SIGKILL when harness dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; its own session keeps it from terminal signals, so without this a killed
+    harness would leave it loading the CPU under every later measurement). The signal comes
+    when the thread that started it ends: servers are started from the main thread."""
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent_pid:  # harness died before the line above
+                os._exit(1)
+    return arm
+
+
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, sig)
@@ -164,7 +182,8 @@ def start_server(spec: ServerSpec, start_timeout_s: float = START_TIMEOUT_S) -> 
     log = Path(tempfile.mkstemp(prefix="harness-server-", suffix=".log")[1])
     with log.open("wb") as out:
         process = subprocess.Popen(spec.command(port), stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=_die_with_parent(os.getpid()))
     running = RunningServer(f"http://127.0.0.1:{port}", process, log, spec)
     try:
         _wait_healthy(running, start_timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +12,19 @@ from gguf import GGUFReader, Keys
 from ..core.costs import TensorEntry
 from ..core.dtypes import DTYPES, DType
 from ..core.errors import HarnessError
-from ..core.specs import ARCHS, ModelSpec
+from ..core.specs import ARCHS, MULTIPLIERS, ModelSpec, spec_from_doc
+from ..core.yamlio import Doc, safe_name
 
 
 def open_gguf(path: Path) -> GGUFReader:
     """A GGUF file's reader, or one clear error naming the file."""
+    if Path(path).exists() and not Path(path).is_file():  # a FIFO or a device would block
+        raise HarnessError("not a regular file", source=str(path), fix="pass a .gguf file")
     try:
         return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        raise HarnessError(f"cannot read the GGUF file ({exc})", source=str(path),
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError, MemoryError,
+            struct.error) as exc:  # gguf-py reads what the header says, however wrong
+        raise HarnessError(f"cannot read the GGUF file ({str(exc)[:120]})", source=str(path),
                            fix="pass a complete GGUF file") from None
 
 
@@ -37,9 +42,9 @@ GGUF_MAGIC = b"GGUF"
 def file_dtype(path: Path) -> DType:
     """The builder's dtype whose recipe a file's general.file_type names (the type a
     spec-built stand-in for it is made at)."""
-    file_type = _field(open_gguf(path), "general.file_type")
+    file_type = _scalar(_field(open_gguf(path), "general.file_type"))
     for dtype in DTYPES.values():
-        if file_type is not None and int(dtype.file_type) == int(file_type):
+        if isinstance(file_type, int) and int(dtype.file_type) == file_type:
             return dtype
     raise HarnessError(f"general.file_type {file_type} names no type the builder makes",
                        source=str(path), key="general.file_type",
@@ -50,6 +55,8 @@ def file_dtype(path: Path) -> DType:
 def is_gguf(path: Path) -> bool:
     """Whether a file starts with GGUF's magic bytes (told apart from a config.json)."""
     try:
+        if not Path(path).is_file():  # a FIFO or a device would block
+            return False
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
     except OSError:
@@ -58,37 +65,61 @@ def is_gguf(path: Path) -> bool:
 
 def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     """The architecture a GGUF file holds, as a ModelSpec, from its header alone: shapes,
-    experts, sliding window, soft-capping and Granite's scales (refusing unsupported ones)."""
+    experts, sliding window, soft-capping and Granite's scales, each validated as a spec file's
+    (a header can hold 0 heads or layers; nothing downstream may divide by them)."""
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHS:
-        raise HarnessError(f"GGUF architecture {arch!r} is not supported", source=str(path),
-                           fix="supported: " + ", ".join(ARCHS))
+    if not isinstance(arch, str) or arch not in ARCHS:
+        raise HarnessError(f"GGUF architecture {str(arch)[:40]!r} is not supported",
+                           source=str(path), fix="supported: " + ", ".join(ARCHS))
     names = {t.name: t for t in reader.tensors}
 
     def key(k: str, default=None):
         return _field(reader, k.format(arch=arch), default)
 
+    fields, keys = _header_fields(key, names, arch)
+    fields |= {"name": name or safe_name(path.stem), "source": str(path)}
     try:
-        hidden = int(key(Keys.LLM.EMBEDDING_LENGTH))
-        heads = int(key(Keys.Attention.HEAD_COUNT))
-        fields = dict(
-            name=name or path.stem, architecture=arch, hidden_size=hidden,
-            num_hidden_layers=int(key(Keys.LLM.BLOCK_COUNT)), num_attention_heads=heads,
-            num_key_value_heads=int(key(Keys.Attention.HEAD_COUNT_KV, heads)),
-            intermediate_size=int(key(Keys.LLM.FEED_FORWARD_LENGTH)),
-            vocab_size=int(names["token_embd.weight"].shape[-1]),
-            tie_word_embeddings="output.weight" not in names,
-            rope_theta=_f32(key(Keys.Rope.FREQ_BASE, 10000.0)),
-            rms_norm_eps=_f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
-            max_position_embeddings=int(key(Keys.LLM.CONTEXT_LENGTH, 4096)),
-            attention_bias="blk.0.attn_q.bias" in names,
-            head_dim=int(key(Keys.Attention.KEY_LENGTH, hidden // heads)), source=str(path))
-        fields |= _optional_hparams(key, ARCHS[arch], fields["intermediate_size"])
-        return ModelSpec(**fields)
-    except (TypeError, KeyError, ValueError) as exc:
-        raise HarnessError(f"GGUF metadata incomplete ({exc})", source=str(path),
+        return spec_from_doc(Doc(str(path), fields), safe_name(path.stem))
+    except HarnessError as exc:  # name the header's key, not the spec's
+        gguf_key = keys.get(exc.key or "", exc.key)
+        raise HarnessError(f"{exc.message} (as {exc.key})" if gguf_key != exc.key
+                           else exc.message, source=str(path), key=gguf_key,
                            fix="pass a GGUF converted by llama.cpp") from None
+
+
+def _header_fields(key, names: dict, arch: str) -> tuple[dict, dict]:
+    """The spec's fields from a header, as read (validated by spec_from_doc), and the GGUF key
+    each came from."""
+    hidden = key(Keys.LLM.EMBEDDING_LENGTH)
+    keys = {"hidden_size": Keys.LLM.EMBEDDING_LENGTH,
+            "num_hidden_layers": Keys.LLM.BLOCK_COUNT,
+            "num_attention_heads": Keys.Attention.HEAD_COUNT,
+            "num_key_value_heads": Keys.Attention.HEAD_COUNT_KV,
+            "intermediate_size": Keys.LLM.FEED_FORWARD_LENGTH,
+            "rope_theta": Keys.Rope.FREQ_BASE,
+            "rms_norm_eps": Keys.Attention.LAYERNORM_RMS_EPS,
+            "max_position_embeddings": Keys.LLM.CONTEXT_LENGTH,
+            "head_dim": Keys.Attention.KEY_LENGTH}
+    fields = {f: _scalar(key(k)) for f, k in keys.items() if key(k) is not None}
+    for f in ("rope_theta", "rms_norm_eps"):
+        if isinstance(fields.get(f), float):
+            fields[f] = _f32(fields[f])
+    embd = names.get("token_embd.weight")
+    keys |= {"vocab_size": "token_embd.weight", "architecture": "general.architecture"}
+    fields |= {"architecture": arch, "vocab_size": int(embd.shape[-1]) if embd else None,
+               "tie_word_embeddings": "output.weight" not in names,
+               "attention_bias": "blk.0.attn_q.bias" in names}
+    for f in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
+        fields.setdefault(f, {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                              "max_position_embeddings": 4096}[f])
+    optional, optional_keys = _optional_hparams(key, ARCHS[arch], hidden)
+    return fields | optional, {k: v.format(arch=arch) for k, v in (keys | optional_keys).items()}
+
+
+def _scalar(value):
+    """A header value as the YAML loader would give it (numpy scalars to Python's)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _f32(value) -> float:
@@ -96,29 +127,36 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _optional_hparams(key, arch, ffn: int) -> dict:
+ZERO_IS_UNSET = ("sliding_window", "num_experts", "num_experts_per_tok")
+
+
+def _optional_hparams(key, arch, ffn) -> tuple[dict, dict]:
     """Experts (the expert width where the architecture has its own key), the window,
-    soft-capping and Granite's four scales, as the builder writes them."""
+    soft-capping and Granite's four scales, as the builder writes them, and their keys; a 0
+    (some converters write expert_count 0 for a dense model) means the key is not set."""
     out: dict = {}
-    for field, k, kind in (
-            ("sliding_window", Keys.Attention.SLIDING_WINDOW, int),
-            ("attn_logit_softcapping", Keys.LLM.ATTN_LOGIT_SOFTCAPPING, _f32),
-            ("final_logit_softcapping", Keys.LLM.FINAL_LOGIT_SOFTCAPPING, _f32),
-            ("num_experts", Keys.LLM.EXPERT_COUNT, int),
-            ("num_experts_per_tok", Keys.LLM.EXPERT_USED_COUNT, int),
-            ("shared_expert_intermediate_size", Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH,
-             int)):
-        if (value := key(k)) is not None:
-            out[field] = kind(value)
-    if out.get("num_experts") and arch.expert_ff_key:
-        out["moe_intermediate_size"] = int(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, ffn))
+    keys: dict = {}
+    table = [("sliding_window", Keys.Attention.SLIDING_WINDOW),
+             ("attn_logit_softcapping", Keys.LLM.ATTN_LOGIT_SOFTCAPPING),
+             ("final_logit_softcapping", Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+             ("num_experts", Keys.LLM.EXPERT_COUNT),
+             ("num_experts_per_tok", Keys.LLM.EXPERT_USED_COUNT),
+             ("shared_expert_intermediate_size", Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)]
     if arch.multipliers:
-        out |= {field: _f32(key(k, 1.0)) for field, k in (
-            ("embedding_multiplier", Keys.LLM.EMBEDDING_SCALE),
-            ("residual_multiplier", Keys.LLM.RESIDUAL_SCALE),
-            ("attention_multiplier", Keys.Attention.SCALE),
-            ("logits_scaling", Keys.LLM.LOGIT_SCALE))}
-    return out
+        table += [("embedding_multiplier", Keys.LLM.EMBEDDING_SCALE),
+                  ("residual_multiplier", Keys.LLM.RESIDUAL_SCALE),
+                  ("attention_multiplier", Keys.Attention.SCALE),
+                  ("logits_scaling", Keys.LLM.LOGIT_SCALE)]
+    for field, k in table:
+        value = _scalar(key(k))
+        if value is not None and not (value == 0 and field in ZERO_IS_UNSET):
+            out[field], keys[field] = (_f32(value) if isinstance(value, float) else value), k
+    if arch.multipliers:
+        out = {f: out.get(f, 1.0) for f in MULTIPLIERS} | out
+    if out.get("num_experts") and arch.expert_ff_key:
+        out["moe_intermediate_size"] = _scalar(key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, ffn))
+        keys["moe_intermediate_size"] = Keys.LLM.EXPERT_FEED_FORWARD_LENGTH
+    return out, keys
 
 
 def tensor_table(path: Path) -> list[TensorEntry]:
