@@ -29,10 +29,13 @@ $(STAMP): pyproject.toml constraints.txt
 main: $(STAMP)
 	$(VENV)/bin/harness run $(SCENARIO)
 
+# Two pytest workers (the machines have 2 cores; most tests wait on subprocesses, servers and
+# Ray), then the tests marked serial alone.
 test: $(STAMP)
 	$(VENV)/bin/ruff check harness tests scripts
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 -m "not serial"
+	$(PY) -m pytest -m serial
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check harness tests scripts

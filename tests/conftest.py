@@ -140,3 +140,4 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.write_line(f"the tests left files in the checkout: {', '.join(left)}",
                                 red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

@@ -66,7 +66,7 @@ def _repetitions(path: Path) -> list[tuple[str, int]]:
 
 def test_sigkill_during_a_run_loses_only_the_repetition_in_flight(tmp_path):
     out = tmp_path / "run"
-    env = os.environ | {"HARNESS_PROBE_MIB": "8"}
+    env = dict(os.environ)  # HARNESS_PROBE_MIB=1 (conftest)
     proc = _harness("run", str(SCENARIO), "--out", str(out), env=env)
     results = out / "results.jsonl"
     assert _wait_for(lambda: len(_repetitions(results)) >= 3, step=0.01)

@@ -204,6 +204,7 @@ def test_a_real_server_under_closed_and_open_loop_load(served):
     assert served.alive()
 
 
+@pytest.mark.serial  # its rounds need two requests decoding side by side on an idle machine
 def test_serve_writes_records_and_a_page_and_stops_its_server(run_cli, tmp_path):
     before = _xserver_pids()
     result = run_cli("serve", "tiny-llama", "--concurrency", "1,2", "--rate", "40",

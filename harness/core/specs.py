@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -366,11 +367,25 @@ def models_dir() -> Path:
 
 
 def all_specs(directory: Path | None = None) -> dict[str, ModelSpec]:
-    """Every spec in the models directory, by name; duplicate names are an error."""
+    """Every spec in the models directory, by name; duplicate names are an error. Read once
+    while no file there changes (a run resolves its models by name dozens of times)."""
     directory = directory or models_dir()
+    paths = sorted(directory.glob("*.yaml"))
+    stamps = []
+    for path in paths:
+        try:
+            info = path.stat()
+        except OSError:  # gone since the glob: read (and refused) below
+            info = None
+        stamps.append((str(path), info and (info.st_mtime_ns, info.st_size, info.st_ino)))
+    return dict(_read_specs(str(directory), tuple(stamps)))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_specs(directory: str, stamps: tuple) -> dict[str, ModelSpec]:
     specs: dict[str, ModelSpec] = {}
     origin: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.yaml")):
+    for path in (Path(p) for p, _ in stamps):
         spec = load_spec_file(path)
         if spec.name in specs:
             raise HarnessError(f"duplicate model name {spec.name!r} (also in {origin[spec.name]})",

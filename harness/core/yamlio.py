@@ -103,8 +103,7 @@ def parse_yaml(text: str, source: str) -> Doc:
         raise HarnessError(f"above the limit of {MAX_FILE_BYTES:,} characters", source=source,
                            fix="a scenario or spec is a few KB")
     try:
-        _check_events(text, source)  # the event parser is iterative; compose recurses
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = _compose(text, source)
     except yaml.reader.ReaderError as exc:  # a control character: no mark, a position
         char = (f"U+{exc.character:04X}" if isinstance(exc.character, int)
                 else repr(exc.character))
@@ -124,23 +123,37 @@ def parse_yaml(text: str, source: str) -> Doc:
     return Doc(source, data, lines)
 
 
-def _check_events(text: str, source: str) -> None:
-    """Refuse nesting deeper than MAX_DEPTH and more than MAX_ALIASES aliases before any node
-    is composed."""
-    depth = aliases = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise _limit(source, event, f"nested deeper than {MAX_DEPTH} levels",
-                             "flatten it")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-        elif isinstance(event, yaml.AliasEvent):
-            aliases += 1
-            if aliases > MAX_ALIASES:
-                raise _limit(source, event, f"more than {MAX_ALIASES} aliases (*name)",
-                             "write the values out")
+class _LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe composer, refusing nesting deeper than MAX_DEPTH and more than
+    MAX_ALIASES aliases as it goes (its recursion would otherwise end in a RecursionError)."""
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self.source, self.depth, self.aliases = source, 0, 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise _limit(self.source, self.peek_event(),
+                             f"more than {MAX_ALIASES} aliases (*name)", "write the values out")
+            return super().compose_node(parent, index)
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _limit(self.source, self.peek_event(),
+                             f"nested deeper than {MAX_DEPTH} levels", "flatten it")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _compose(text: str, source: str) -> yaml.Node | None:
+    loader = _LimitedLoader(text, source)
+    try:
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
 
 
 def _limit(source: str, where, what: str, fix: str) -> HarnessError:

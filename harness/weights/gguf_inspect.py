@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from pathlib import Path
@@ -63,10 +64,26 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+def _file_key(path: Path) -> tuple:
+    """What identifies a file's contents for the caches below: path, inode, size, mtime."""
+    try:
+        info = Path(path).stat()
+    except OSError:
+        return (str(path), None)
+    return (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+
+
 def spec_from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     """The architecture a GGUF file holds, as a ModelSpec, from its header alone: shapes,
     experts, sliding window, soft-capping and Granite's scales, each validated as a spec file's
-    (a header can hold 0 heads or layers; nothing downstream may divide by them)."""
+    (a header can hold 0 heads or layers; nothing downstream may divide by them). Read once
+    while the file is unchanged (a run asks for it dozens of times)."""
+    return _spec_from_gguf(_file_key(path), name)
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_from_gguf(file_key: tuple, name: str | None) -> ModelSpec:
+    path = Path(file_key[0])
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or arch not in ARCHS:
@@ -160,10 +177,16 @@ def _optional_hparams(key, arch, ffn) -> tuple[dict, dict]:
 
 
 def tensor_table(path: Path) -> list[TensorEntry]:
-    """Every tensor of a GGUF file: name, numpy shape, type and bytes."""
-    reader = open_gguf(path)
-    return [TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name,
-                        int(t.n_bytes)) for t in reader.tensors]
+    """Every tensor of a GGUF file: name, numpy shape, type and bytes (read once while the
+    file is unchanged)."""
+    return list(_tensor_table(_file_key(path)))
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_table(file_key: tuple) -> tuple[TensorEntry, ...]:
+    reader = open_gguf(Path(file_key[0]))
+    return tuple(TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)),
+                             t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors)
 
 
 

@@ -63,47 +63,60 @@ def case_local(tmp: Path, scenario: Path) -> None:
     print(f"--ray local took {time.perf_counter() - start:.1f} s")
 
 
-def case_two_nodes(tmp: Path, scenario: Path) -> None:
-    """Two nodes on one machine: two run directories named by their labels; --nodes picks."""
+def case_pair(tmp: Path, scenario: Path) -> None:
+    """The cases of a two-node cluster, one after the other on one cluster (a cluster takes
+    seconds to start): two nodes, then a node whose records cannot be appended."""
     cluster, _ = start_cluster(["lab-a", "lab-b"])
     try:
-        code, err = harness("run", str(scenario), "--ray", cluster.address, "--out",
-                            str(tmp / "f"))
-        assert code == 0, err
-        assert sorted(p.name for p in (tmp / "f").iterdir() if p.is_dir()) == ["lab-a", "lab-b"]
-        assert complete(tmp / "f" / "lab-a", 2) and complete(tmp / "f" / "lab-b", 2)
-        assert "[lab-a] " in err and "[lab-b] " in err
-        assert f"harness gallery {tmp / 'f'}" in err
-        code, err = harness("gallery", str(tmp / "f"), "--out", str(tmp / "gallery"))
-        assert code == 0 and (tmp / "gallery" / "gallery.md").exists(), err
-        code, err = harness("run", str(scenario), "--ray", cluster.address, "--nodes", "lab-b",
-                            "--out", str(tmp / "g"))
-        assert code == 0, err
-        assert [p.name for p in (tmp / "g").iterdir() if p.is_dir()] == ["lab-b"]
+        two_nodes(tmp / "two", scenario, cluster)
+        writer_failure(tmp / "writer", scenario, cluster)
     finally:
         cluster.shutdown()
 
 
-def case_refusals(tmp: Path, scenario: Path) -> None:
-    """A node filter matching nothing, and a node with other versions: exit 2, one line."""
+def case_single(tmp: Path, scenario: Path) -> None:
+    """The cases of a one-node cluster on one cluster: refusals, then a replaced machine."""
     cluster, _ = start_cluster(["lab-a"])
     try:
-        code, err = harness("run", str(scenario), "--ray", cluster.address, "--nodes", "lab-z",
-                            "--out", str(tmp / "f"))
-        assert code == 2 and "'lab-z' matches no alive node" in err and "lab-a" in err, err
-        assert len(err.strip().splitlines()) == 1, err
-        real = fleet.versions
-        fleet.versions = lambda: real() | {"harness": "0.0.0-other"}  # the driver differs
-        try:
-            code, err = harness("run", str(scenario), "--ray", cluster.address, "--out",
-                                str(tmp / "g"))
-        finally:
-            fleet.versions = real
-        assert code == 2 and "node lab-a" in err and "refused" in err and "0.0.0-other" in err
-        assert len(err.strip().splitlines()) == 1, err
-        assert not (tmp / "g").exists()
+        refusals(tmp / "refusals", scenario, cluster)
+        replaced_machine(tmp / "replaced", scenario, cluster)
     finally:
         cluster.shutdown()
+
+
+def two_nodes(tmp: Path, scenario: Path, cluster) -> None:
+    """Two nodes on one machine: two run directories named by their labels; --nodes picks."""
+    code, err = harness("run", str(scenario), "--ray", cluster.address, "--out",
+                        str(tmp / "f"))
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp / "f").iterdir() if p.is_dir()) == ["lab-a", "lab-b"]
+    assert complete(tmp / "f" / "lab-a", 2) and complete(tmp / "f" / "lab-b", 2)
+    assert "[lab-a] " in err and "[lab-b] " in err
+    assert f"harness gallery {tmp / 'f'}" in err
+    code, err = harness("gallery", str(tmp / "f"), "--out", str(tmp / "gallery"))
+    assert code == 0 and (tmp / "gallery" / "gallery.md").exists(), err
+    code, err = harness("run", str(scenario), "--ray", cluster.address, "--nodes", "lab-b",
+                        "--out", str(tmp / "g"))
+    assert code == 0, err
+    assert [p.name for p in (tmp / "g").iterdir() if p.is_dir()] == ["lab-b"]
+
+
+def refusals(tmp: Path, scenario: Path, cluster) -> None:
+    """A node filter matching nothing, and a node with other versions: exit 2, one line."""
+    code, err = harness("run", str(scenario), "--ray", cluster.address, "--nodes", "lab-z",
+                        "--out", str(tmp / "f"))
+    assert code == 2 and "'lab-z' matches no alive node" in err and "lab-a" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    real = fleet.versions
+    fleet.versions = lambda: real() | {"harness": "0.0.0-other"}  # the driver differs
+    try:
+        code, err = harness("run", str(scenario), "--ray", cluster.address, "--out",
+                            str(tmp / "g"))
+    finally:
+        fleet.versions = real
+    assert code == 2 and "node lab-a" in err and "refused" in err and "0.0.0-other" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp / "g").exists()
 
 
 def case_fault_and_resume(tmp: Path, scenario: Path) -> None:
@@ -170,46 +183,41 @@ def case_interrupt(tmp: Path, scenario: Path) -> None:
     print(f"interrupted after {len(kept.repetitions)} repetition(s)")
 
 
-def case_replaced_machine(tmp: Path, scenario: Path) -> None:
+def replaced_machine(tmp: Path, scenario: Path, cluster) -> None:
     """A label whose earlier results came from another machine: --resume is refused (exit 2,
     one line naming what differs, nothing written); with --relabel this machine is recorded
     under LABEL.2, and a later --relabel resume finds it there again."""
-    cluster, _ = start_cluster(["lab-a"])
-    try:
-        out = tmp / "f"
-        code, err = harness("run", str(scenario), "--ray", cluster.address, "--out", str(out))
-        assert code == 0, err
-        results = out / "lab-a" / "results.jsonl"
-        lines = results.read_text().splitlines()
-        header = json.loads(lines[0])
-        header["env"]["hostname"] = "another-host"  # as if lab-a's records came from elsewhere
-        results.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
-        before = results.read_bytes()
-        resume = ["run", str(scenario), "--ray", cluster.address, "--out", str(out), "--resume"]
-        code, err = harness(*resume)
-        assert code == 2, err
-        assert len(err.strip().splitlines()) == 1, err
-        assert "node lab-a is not the machine" in err and "(was another-host)" in err, err
-        assert "--relabel" in err, err
-        assert results.read_bytes() == before
-        code, err = harness(*resume, "--relabel")
-        assert code == 0, err
-        assert "recorded as lab-a.2" in err, err
-        assert complete(out / "lab-a.2", 2) and results.read_bytes() == before
-        code, err = harness(*resume, "--relabel")
-        assert code == 0, err
-        assert not (out / "lab-a.3").exists()
-        print(err.strip().splitlines()[0])
-    finally:
-        cluster.shutdown()
+    out = tmp / "f"
+    code, err = harness("run", str(scenario), "--ray", cluster.address, "--out", str(out))
+    assert code == 0, err
+    results = out / "lab-a" / "results.jsonl"
+    lines = results.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["env"]["hostname"] = "another-host"  # as if lab-a's records came from elsewhere
+    results.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    before = results.read_bytes()
+    resume = ["run", str(scenario), "--ray", cluster.address, "--out", str(out), "--resume"]
+    code, err = harness(*resume)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "node lab-a is not the machine" in err and "(was another-host)" in err, err
+    assert "--relabel" in err, err
+    assert results.read_bytes() == before
+    code, err = harness(*resume, "--relabel")
+    assert code == 0, err
+    assert "recorded as lab-a.2" in err, err
+    assert complete(out / "lab-a.2", 2) and results.read_bytes() == before
+    code, err = harness(*resume, "--relabel")
+    assert code == 0, err
+    assert not (out / "lab-a.3").exists()
+    print(err.strip().splitlines()[0])
 
 
-def case_writer_failure(tmp: Path, scenario: Path) -> None:
+def writer_failure(tmp: Path, scenario: Path, cluster) -> None:
     """Appending a node's records fails (a full disk): that node's task is cancelled, what it
     wrote before stays, the driver says so, and the other node finishes."""
     import ray
 
-    cluster, _ = start_cluster(["lab-a", "lab-b"])
     real_append, real_cancel, cancelled = RunWriter.append, ray.cancel, []
 
     def append(self, record):
@@ -227,7 +235,6 @@ def case_writer_failure(tmp: Path, scenario: Path) -> None:
         code, err = harness("run", str(scenario), "--ray", cluster.address, "--out", str(out))
     finally:
         RunWriter.append, ray.cancel = real_append, real_cancel
-        cluster.shutdown()
     assert code == 1, err
     assert "[lab-b] failed: could not append its records" in err, err
     assert "No space left on device" in err and "its task is cancelled" in err, err
