@@ -310,9 +310,7 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     if is_serving_scenario(scenario) and (ray_address or nodes):
         raise HarnessError("a serving scenario runs on this machine", key="--ray",
                            fix="drop --ray/--nodes, or start harness serve on each machine")
-    if (server or allow_remote) and not is_serving_scenario(scenario):
-        raise HarnessError("--server and --allow-remote are for serving scenarios",
-                           key="--server" if server else "--allow-remote", fix="drop it")
+    _serving_only(scenario, server, allow_remote)
     if ray_address:
         return _run_fleet(scenario, ray_address, nodes, out, resume, strict, cache_dir,
                           relabel)
@@ -368,15 +366,19 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
 
 def _serving_plan(scenario: Path, server: str | None, allow_remote: bool):
     """A serving scenario, validated, with the command line's --server."""
-    from dataclasses import replace
+    from .servescenario import load_serving_scenario
 
-    from .servescenario import check_plan, load_serving_scenario
+    return load_serving_scenario(scenario, allow_remote,
+                                 _server_option(server) if server else None)
 
-    plan = load_serving_scenario(scenario, allow_remote)
-    if server:
-        plan = replace(plan, server=_server_option(server))
-        check_plan(plan)
-    return plan
+
+def _serving_only(scenario: Path, server: str | None, allow_remote: bool) -> None:
+    """--server and --allow-remote belong to serving scenarios."""
+    from .servescenario import is_serving_scenario
+
+    if (server or allow_remote) and not is_serving_scenario(scenario):
+        raise HarnessError("--server and --allow-remote are for serving scenarios",
+                           key="--server" if server else "--allow-remote", fix="drop it")
 
 
 @cli.command()
@@ -503,9 +505,7 @@ def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
     from .runner import plan_summary, preflight
     from .servescenario import is_serving_scenario
 
-    if (server or allow_remote) and not is_serving_scenario(scenario):
-        raise HarnessError("--server and --allow-remote are for serving scenarios",
-                           key="--server" if server else "--allow-remote", fix="drop it")
+    _serving_only(scenario, server, allow_remote)
     if is_serving_scenario(scenario):
         serve = _serving_plan(scenario, server, allow_remote)
         levels = ", ".join(level.label for level in serve.levels)

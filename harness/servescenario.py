@@ -3,7 +3,7 @@ names the file, the line and the key), run by `harness run` like any scenario.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .core.dtypes import get_dtype
@@ -74,10 +74,12 @@ def is_serving_scenario(path: Path) -> bool:
     return isinstance(data, dict) and "serve" in data
 
 
-def load_serving_scenario(path: Path, allow_remote: bool = False) -> ServePlan:
+def load_serving_scenario(path: Path, allow_remote: bool = False,
+                          server: str | None = None) -> ServePlan:
     """Parse and validate a serving scenario: everything `harness run` would refuse (the model,
     its dtype, the server, prompt + output against the model's context, repeated levels, a
-    remote endpoint without --allow-remote) is refused here, with its line."""
+    remote endpoint without --allow-remote) is refused here, with its line. server: the
+    command line's --server (a binary's resolved path) in place of the scenario's."""
     text = read_text(path, "scenario")
     doc = parse_yaml(text, str(path))
     data = want_mapping(doc, (), doc.data)
@@ -92,6 +94,8 @@ def load_serving_scenario(path: Path, allow_remote: bool = False) -> ServePlan:
         description=str(data.get("description") or ""), model=model, dtype=dtype,
         seed=want_int(doc, ("seed",), data.get("seed", 0), minimum=0, maximum=2**63 - 1),
         levels=_levels(doc, serve), **_serve_options(doc, serve, allow_remote))
+    if server:
+        plan = replace(plan, server=server)
     try:
         check_plan(plan)
     except HarnessError as exc:  # located at the key it names
@@ -102,12 +106,12 @@ def load_serving_scenario(path: Path, allow_remote: bool = False) -> ServePlan:
 
 # check_plan's keys (the command line's) and where a scenario holds each
 _PLAN_KEYS = {"MODEL": ("model",), "--dtype": ("dtype",), "--prompt": ("serve", "prompt"),
-              "--server": ("serve", "server"), "server": ("serve", "server")}
+              "server": ("serve", "server")}
 
 
-def check_plan(plan: ServePlan) -> int:
-    """Refuse what a serving run would refuse once started (the model, its dtype, prompt +
-    output beyond its context, a server not built); return the model's context length."""
+def check_plan(plan: ServePlan) -> None:
+    """Refuse what a serving run would refuse once started: the model, its dtype, prompt +
+    output beyond its context, a server not built."""
     try:
         ref = resolve_model_ref(plan.model, [get_dtype(plan.dtype, key="--dtype").name])[0]
     except HarnessError as exc:
@@ -124,7 +128,6 @@ def check_plan(plan: ServePlan) -> int:
         from .engine.serverbuild import built_binary
 
         built_binary()
-    return ref.max_context
 
 
 def _serve_options(doc: Doc, s: dict, allow_remote: bool) -> dict:

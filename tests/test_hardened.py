@@ -167,6 +167,17 @@ def test_a_serving_scenario_runs_the_command_lines_server(run_cli, tmp_path):
     assert_user_error(run_cli("check", str(plain), "--allow-remote"), "serving scenarios")
 
 
+def test_the_command_lines_server_stands_in_for_a_build_not_made(run_cli, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.setenv("HARNESS_SERVER_DIR", str(tmp_path / "no-builds"))
+    scenario = tmp_path / "serve.yaml"
+    scenario.write_text("name: t\nmodel: tiny-qwen2\nserve: {server: built}\n")
+    assert_user_error(run_cli("check", str(scenario)), "serve.server",
+                      "no llama-server built", "harness server build")
+    ok = run_cli("check", str(scenario), "--server", str(_stub_binary(tmp_path)))
+    assert ok.exit_code == 0, ok.stderr
+
+
 # --- endpoints: this machine unless asked; bounded waits --------------------------------------
 
 def test_endpoints_on_this_machine_only_unless_allowed():
