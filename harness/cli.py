@@ -211,9 +211,11 @@ def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
 
     from .engine.env import physical_cores
     from .engine.serverbuild import built_binary
+    from .servescenario import preflight_plan
     from .serving import run_serving, serving_run
 
-    if plan.server == "built" and not plan.endpoint:  # refused before the model is built
+    preflight_plan(plan, cache_dir)  # RAM and disk, refused before the model is built
+    if plan.server == "built" and not plan.endpoint:
         plan = replace(plan, server=str(built_binary()))
     path, n_vocab = _served_model(plan.model, plan.dtype, cache_dir)
     run = serving_run(plan, path, n_vocab, physical_cores())
@@ -507,7 +509,10 @@ def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
 
     _serving_only(scenario, server, allow_remote)
     if is_serving_scenario(scenario):
+        from .servescenario import preflight_plan
+
         serve = _serving_plan(scenario, server, allow_remote)
+        preflight_plan(serve, cache_dir)
         levels = ", ".join(level.label for level in serve.levels)
         where = serve.endpoint or f"{serve.server}, {serve.slots} slots"
         click.echo(f"{serve.title}: serving {serve.model} ({serve.dtype}) on {where}; levels "

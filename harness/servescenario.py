@@ -130,6 +130,40 @@ def check_plan(plan: ServePlan) -> None:
         built_binary()
 
 
+def preflight_plan(plan: ServePlan, cache_dir: Path | None) -> None:
+    """Refuse, before anything is built or started, a served model that does not fit: the
+    disk its build still needs, and RAM for its weights (mapped once: the server and the
+    in-process yardstick share the file's pages) and the KV caches of the server's slots and
+    of the yardstick's sequences (compute buffers come on top)."""
+    if plan.endpoint:
+        return
+    from .core.costs import kv_n_bytes_per_token
+    from .core.dtypes import DTYPES
+    from .core.specs import resolve_spec
+    from .engine.build import check_build_space, estimated_n_bytes, missing_build_n_bytes
+    from .engine.env import available_ram_bytes
+    from .weights.gguf_inspect import spec_from_gguf
+
+    dtype = DTYPES[plan.dtype.lower()]
+    if plan.model.endswith(".gguf"):
+        spec, weights = spec_from_gguf(Path(plan.model)), Path(plan.model).stat().st_size
+    else:
+        spec = resolve_spec(plan.model)
+        weights = estimated_n_bytes(spec, dtype)
+        check_build_space(missing_build_n_bytes(spec, dtype, plan.seed, cache_dir), cache_dir)
+    sequences = plan.slots + (max((lv.concurrency or 0 for lv in plan.levels), default=0)
+                              if plan.inprocess else 0)
+    per_slot = plan.n_prompt + plan.n_generate + SLOT_MARGIN
+    need = weights + kv_n_bytes_per_token(spec) * per_slot * sequences
+    available = available_ram_bytes()
+    if available is not None and need > available:
+        raise HarnessError(f"serving {plan.model} needs at least {need / 2**30:.2f} GiB of RAM "
+                           f"(weights, and the KV cache of {sequences} sequences of "
+                           f"{per_slot:,} tokens), {available / 2**30:.2f} GiB is available",
+                           key="MODEL", fix="use fewer slots, a shorter prompt + generate, or a "
+                                            "smaller model or dtype")
+
+
 def _serve_options(doc: Doc, s: dict, allow_remote: bool) -> dict:
     p = ("serve",)
     out = {

@@ -320,3 +320,23 @@ def test_ray_local_advertises_loopback_and_asks_for_a_token(monkeypatch):
     assert calls[0]["include_dashboard"] is False
     assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
     assert reread == [""]
+
+
+def test_a_served_model_that_does_not_fit_is_refused_before_it_is_built(run_cli, tmp_path,
+                                                                       monkeypatch):
+    from harness.engine import env
+
+    monkeypatch.setattr(env, "available_ram_bytes", lambda: 1 << 10)
+    scenario = tmp_path / "serve.yaml"
+    scenario.write_text("name: t\nmodel: tiny-qwen2\nserve: {slots: 2, concurrency: [1, 2]}\n")
+    cache = tmp_path / "cache"
+    said = []
+    for command in (["check", str(scenario)], ["run", str(scenario), "--out", str(tmp_path / "r")],
+                    ["serve", "tiny-qwen2", "--out", str(tmp_path / "s")]):
+        result = run_cli(*command, "--cache-dir", str(cache))
+        assert_user_error(result, "MODEL", "needs at least", "GiB of RAM", "0.00 GiB is available")
+        said.append(result.stderr)
+    # two slots, and two sequences in-process beside them, of 128 + 64 + 16 tokens
+    assert "the KV cache of 4 sequences of 208 tokens" in said[0]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
+    assert not cache.exists() or not list(cache.rglob("*.gguf"))
