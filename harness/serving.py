@@ -4,12 +4,15 @@ record and each level's summary in results.jsonl, and render the serving page.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from . import __version__
 from .analysis.serving import level_roofline
@@ -112,6 +115,7 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     """Run every level, writing records as they come; return the report's path. A server that
     dies or a level that fails ends the run with what was measured kept and rendered; with
     resume, the levels an earlier run of out_dir finished are kept and the others run whole."""
+    check_out_dir(out_dir, resume)
     kept = finished_levels(out_dir / "results.jsonl") if resume else []
     done = {lv["level"] for lv in kept if lv["type"] == "level"}
     server = start_server(run.server) if run.server else None  # nothing written before
@@ -122,7 +126,7 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
         roof = _Ceilings(costs, run.server.threads, kept) if costs else None
         out_dir.mkdir(parents=True, exist_ok=True)
         url = server.url if server else run.endpoint.rstrip("/")
-        with (out_dir / "results.jsonl").open("w") as f:
+        with _locked(out_dir), (out_dir / "results.jsonl").open("w") as f:
             fresh = [_header(run, argv, url, server)] + ([costs] if costs else [])
             for record in kept or fresh:
                 _write(f, record)
@@ -144,13 +148,55 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     return out_dir / "report.md"
 
 
+def check_out_dir(out_dir: Path, resume: bool) -> None:
+    """Refuse a folder a serving run must not write into: one that holds results already
+    (unless this resumes the serving run there), or another kind of run's results, which
+    writing would destroy."""
+    results = out_dir / "results.jsonl"
+    if not (results.is_file() and results.stat().st_size > 0):
+        return
+    if load_serving_run(out_dir) is None:
+        raise HarnessError("the run directory holds another kind of run's results",
+                           source=str(out_dir), fix="choose another --out")
+    if not resume:
+        raise HarnessError("the run directory already holds results", source=str(out_dir),
+                           fix="resume it with harness run SCENARIO --out DIR --resume, or "
+                               "choose another --out")
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path):
+    """The run directory's lock (as a measurement run's): two runs never share a folder."""
+    lock = FileLock(str(out_dir / ".lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise HarnessError("another run is writing into this run directory",
+                           source=str(out_dir), fix="wait for it or choose another --out"
+                           ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def finished_levels(results: Path) -> list[dict]:
     """An earlier run's header, served model, ceiling probes (each measured the machine at its
     time) and the records of every level it finished (a level's requests come before its level
-    record: those of a level cut short are dropped)."""
+    record: those of a level cut short are dropped, and so is a last line cut short)."""
     if not results.exists():
         return []
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    lines = [line for line in results.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # a write cut short by a crash: the level is not finished
+                break
+            raise HarnessError(f"line {number} is not a JSON record", source=str(results),
+                               fix="restore the file, or start the run again elsewhere"
+                               ) from None
     finished = {r["level"] for r in records if r.get("type") == "level"}
     return [r for r in records if r.get("type") in ("header", "model", "probe")
             or r.get("level") in finished]

@@ -5,6 +5,7 @@ waits on a silent server, a full disk, and the machine identity of fleet nodes."
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import signal
@@ -340,3 +341,37 @@ def test_a_served_model_that_does_not_fit_is_refused_before_it_is_built(run_cli,
     assert "the KV cache of 4 sequences of 208 tokens" in said[0]
     assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()
     assert not cache.exists() or not list(cache.rglob("*.gguf"))
+
+
+# --- a serving run never writes over another run ------------------------------------------------
+
+def test_serving_into_a_folder_of_results_is_refused_and_the_results_stay(run_cli, tmp_path):
+    run = tmp_path / "measured"
+    run.mkdir()
+    results = run / "results.jsonl"
+    results.write_text(json.dumps({"type": "header", "scenario": {}, "env": {}}) + "\n")
+    before = results.read_bytes()
+    refused = run_cli("serve", "tiny-qwen2", "--out", str(run))
+    assert_user_error(refused, "holds another kind of run's results", "choose another --out")
+    assert results.read_bytes() == before
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "results.jsonl").write_text(json.dumps(
+        {"type": "header", "workload": {}, "server": {}}) + "\n")
+    assert_user_error(run_cli("serve", "tiny-qwen2", "--out", str(served)),
+                      "already holds results", "--resume")
+
+
+def test_a_serving_results_file_cut_short_keeps_its_finished_levels(tmp_path):
+    from harness.serving import finished_levels
+
+    results = tmp_path / "results.jsonl"
+    lines = [{"type": "header", "workload": {}}, {"type": "request", "level": "c1"},
+             {"type": "level", "level": "c1"}, {"type": "request", "level": "c2"}]
+    text = "\n".join(json.dumps(x) for x in lines) + "\n"
+    results.write_text(text + '{"type": "level", "lev')
+    kept = finished_levels(results)
+    assert [r["type"] for r in kept] == ["header", "request", "level"]
+    results.write_text('{"type": "header"}\nnot json\n' + text)
+    with pytest.raises(HarnessError, match="line 2 is not a JSON record"):
+        finished_levels(results)
