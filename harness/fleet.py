@@ -495,7 +495,7 @@ def _stored_records(path: Path) -> list[dict]:
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # a cut or corrupt line is not resumed from
             continue
     return out
 

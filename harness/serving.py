@@ -191,7 +191,7 @@ def finished_levels(results: Path) -> list[dict]:
     for number, line in enumerate(lines, 1):
         try:
             records.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):
             if number == len(lines):  # a write cut short by a crash: the level is not finished
                 break
             raise HarnessError(f"line {number} is not a JSON record", source=str(results),
@@ -417,7 +417,7 @@ def load_serving_run(run_dir: Path) -> tuple[dict, list[dict]] | None:
     try:
         with results.open() as f:
             header = json.loads(f.readline() or "{}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if header.get("type") != "header" or "workload" not in header:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import re
@@ -214,6 +215,38 @@ def _construct_scalar(node: yaml.Node, source: str) -> Any:
         raise HarnessError(f"non-finite number {node.value!r}", source=source,
                            line=node.start_mark.line + 1, fix="use a finite number")
     return value
+
+
+def parse_json(text: str, source: str) -> Any:
+    """Parse JSON text within the YAML limits' spirit: numbers of at most MAX_NUMBER_CHARS
+    characters, no NaN or Infinity, and nesting Python's parser can take; one error line."""
+    def number(kind):
+        def parse(literal: str):
+            if len(literal) > MAX_NUMBER_CHARS:
+                raise _JSONLimit(f"a number of {len(literal):,} characters, above the limit "
+                                 f"of {MAX_NUMBER_CHARS}")
+            return kind(literal)
+        return parse
+
+    def constant(name: str):
+        raise _JSONLimit(f"non-finite number {name}")
+
+    try:
+        return json.loads(text, parse_int=number(int), parse_float=number(float),
+                          parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise HarnessError(f"invalid JSON: {exc.msg}", source=source, line=exc.lineno,
+                           fix="fix the syntax at that line") from None
+    except _JSONLimit as exc:
+        raise HarnessError(str(exc), source=source, fix="write a finite number of a few "
+                                                        "digits") from None
+    except RecursionError:
+        raise HarnessError("nested too deeply to read", source=source,
+                           fix="a config or record nests a few levels") from None
+
+
+class _JSONLimit(ValueError):
+    """A JSON value beyond parse_json's limits."""
 
 
 def did_you_mean(word: object, choices: list[str]) -> str | None:

@@ -51,7 +51,7 @@ def read_records(path: Path) -> Records:
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, a number past Python's limit, too deep
             record = None
         if not _well_formed(record):
             raise HarnessError("corrupt results line", source=str(path), line=number,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
 
 from ..core.errors import HarnessError
 from ..core.specs import ARCHS, MOE_FIELDS, MULTIPLIERS, spec_from_doc
-from ..core.yamlio import Doc, read_text
+from ..core.yamlio import Doc, parse_json, read_text
 
 # model_type -> (llama.cpp architecture, q/k/v bias when the config does not say)
 SUPPORTED = {"llama": ("llama", False), "qwen2": ("qwen2", True), "mistral": ("llama", False),
@@ -74,11 +73,7 @@ def load_config(ref: str) -> tuple[dict, str, str | None]:
         text, source = _fetch_from_hub(ref), ref
         name = ref.rsplit("/", 1)[-1].lower()
         path = Path(ref)
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise HarnessError(f"invalid JSON: {exc.msg}", source=str(path), line=exc.lineno,
-                           fix="pass a model's config.json") from None
+    config = parse_json(text, str(path))
     if not isinstance(config, dict):
         raise HarnessError("expected a JSON object", source=str(path),
                            fix="pass a model's config.json")
