@@ -48,13 +48,13 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
     """Write a spec YAML from a Hugging Face config.json (a path or a hub repo id) or from a
     GGUF file's header (offline)."""
     from .core.specs import models_dir
-    from .core.yamlio import NAME_RULE, is_name, safe_name
+    from .core.yamlio import is_name, not_a_name, safe_name
     from .engine.build import write_text_atomically
     from .weights.gguf_inspect import is_gguf, spec_from_gguf
     from .weights.hfimport import load_config, render_spec_yaml, spec_dict_from_config
 
     if name is not None and not is_name(name):
-        raise HarnessError(f"{name[:40]!r} is not a name: {NAME_RULE}", key="--name",
+        raise HarnessError(not_a_name(name), key="--name",
                            fix=f"e.g. --name {safe_name(name)}")
     if is_gguf(Path(config)) or Path(config).suffix == ".gguf":  # a missing .gguf: said so
         spec = spec_from_gguf(Path(config), name or safe_name(Path(config).stem.lower()))
@@ -582,12 +582,11 @@ def default_run_dir(name: str, resume: bool, base: Path | None = None) -> Path:
     scenario."""
     import datetime as dt
 
-    from .core.yamlio import NAME_RULE, is_name
+    from .core.yamlio import is_name, not_a_name
 
     base = base or Path("reports") / "runs"
     if not is_name(name):  # the loaders refuse such names; a folder must stay in base
-        raise HarnessError(f"{name[:40]!r} is not a name: {NAME_RULE}", key="name",
-                           fix="rename it")
+        raise HarnessError(not_a_name(name), key="name", fix="rename it")
     if resume:
         runs = sorted(base.glob(f"{name}-*"))
         if not runs:

@@ -336,12 +336,16 @@ def safe_name(text: str) -> str:
     return name or "model"
 
 
+def not_a_name(name: str) -> str:
+    """What is wrong with a string that is not a name, in the words every refusal uses."""
+    return f"{name[:40]!r} is not a name: {NAME_RULE}"
+
+
 def want_name(doc: Doc, path: tuple, value: object) -> str:
     """Return value as a name (NAME_PATTERN), or raise an error naming the key."""
     name = want_str(doc, path, value)
     if not is_name(name):
-        raise doc.error(path, f"{name[:40]!r} is not a name: {NAME_RULE}",
-                        fix=f"e.g. {safe_name(name)}")
+        raise doc.error(path, not_a_name(name), fix=f"e.g. {safe_name(name)}")
     return name
 
 

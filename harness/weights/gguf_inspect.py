@@ -118,18 +118,17 @@ def _header_fields(key, names: dict, arch: str) -> tuple[dict, dict]:
             "rms_norm_eps": Keys.Attention.LAYERNORM_RMS_EPS,
             "max_position_embeddings": Keys.LLM.CONTEXT_LENGTH,
             "head_dim": Keys.Attention.KEY_LENGTH}
-    fields = {f: _scalar(key(k)) for f, k in keys.items() if key(k) is not None}
+    # read once each; a default stands in only where the header has no value
+    fields = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}
+    fields |= {f: v for f, k in keys.items() if (v := _scalar(key(k))) is not None}
     for f in ("rope_theta", "rms_norm_eps"):
-        if isinstance(fields.get(f), float):
+        if isinstance(fields[f], float):
             fields[f] = _f32(fields[f])
     embd = names.get("token_embd.weight")
     keys |= {"vocab_size": "token_embd.weight", "architecture": "general.architecture"}
     fields |= {"architecture": arch, "vocab_size": int(embd.shape[-1]) if embd else None,
                "tie_word_embeddings": "output.weight" not in names,
                "attention_bias": "blk.0.attn_q.bias" in names}
-    for f in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
-        fields.setdefault(f, {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-                              "max_position_embeddings": 4096}[f])
     optional, optional_keys = _optional_hparams(key, ARCHS[arch], hidden)
     return fields | optional, {k: v.format(arch=arch) for k, v in (keys | optional_keys).items()}
 
