@@ -37,9 +37,16 @@ def finish(ax, fig, out_dir: Path, name: str, xlabel: str, ylabel: str, title: s
     return save(fig, out_dir, name)
 
 
+# A plot re-rendered from the same records is the same file: SVG ids come from a fixed salt
+# instead of random ones, and no file carries the time it was drawn.
+plt.rcParams["svg.hashsalt"] = "harness"
+_NO_DATE = {"png": {}, "svg": {"Date": None}}
+
+
 def save(fig, out_dir: Path, name: str) -> str:
     for ext in ("png", "svg"):
-        fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight")
+        fig.savefig(out_dir / f"{name}.{ext}", dpi=120, bbox_inches="tight",
+                    metadata=_NO_DATE[ext])
     plt.close(fig)
     return f"{name}.png"
 
