@@ -25,7 +25,16 @@ from . import __version__
 from .core.errors import HarnessError
 from .core.yamlio import NAME_RULE, is_name
 from .engine.measure import now_iso
-from .engine.results import RESULTS_FILE, Records, RunWriter, file_record, read_records
+from .engine.results import (
+    RESULTS_FILE,
+    Records,
+    RunWriter,
+    begin_run,
+    file_record,
+    identity_differences,
+    machine_identity,
+    read_records,
+)
 
 LABEL_KEY = "harness-label"  # a Ray node label (ray start --labels) naming the node's run dir
 INSTALL_FIX = "install it with: pip install 'harness[ray]'"
@@ -74,39 +83,6 @@ def version_mismatch(own: dict, expected: dict) -> str | None:
     return ", ".join(diff) or None
 
 
-IDENTITY_KEYS = ("hostname", "machine_id", "cpu_model", "physical_cores", "ram_total_bytes",
-                 "ggml_commit")
-RAM_TOLERANCE = 0.01  # the kernel's reserved memory moves total RAM by megabytes between boots
-
-
-def machine_identity(env: dict) -> dict:
-    """What makes a node the same machine as before: host, machine id (a rescheduled pod keeps
-    its hostname, not its /etc/machine-id), CPU, cores, RAM, ggml commit."""
-    return {"hostname": env.get("hostname"), "machine_id": env.get("machine_id"),
-            "cpu_model": env.get("cpu_model"),
-            "physical_cores": env.get("physical_cores"),
-            "ram_total_bytes": env.get("ram_total_bytes"),
-            "ggml_commit": (env.get("llama") or {}).get("ggml_commit")}
-
-
-def identity_differences(now: dict, before: dict) -> list[str]:
-    """What differs between two machine identities, each as 'key now (was before)'."""
-    out = []
-    for key in IDENTITY_KEYS:
-        a, b = now.get(key), before.get(key)
-        if key == "ram_total_bytes" and a and b and abs(a - b) <= RAM_TOLERANCE * b:
-            continue
-        if key == "machine_id" and b is None:  # recorded before harness kept it
-            continue
-        if a != b:
-            out.append(f"{key} {_shown(key, a)} (was {_shown(key, b)})")
-    return out
-
-
-def _shown(key: str, value: object) -> object:
-    return f"{value / 2**30:.1f} GiB" if key == "ram_total_bytes" and value else value
-
-
 def _load_plan(scenario_text: str, scenario_path: str):
     """The shipped scenario, validated on this node (threads: auto follows its own cores),
     recorded under the driver's path."""
@@ -149,7 +125,7 @@ class StreamWriter:
 
     def __init__(self, prior: list[dict], out: queue.Queue, label: str) -> None:
         self.records = Records()
-        self.dir = Path(label)
+        self.dir, self.kind = Path(label), "measurement"
         self._out = out
         for record in prior:
             file_record(self.records, record)
@@ -157,6 +133,9 @@ class StreamWriter:
     def append(self, record: dict) -> None:
         file_record(self.records, record)
         self._out.put(record)
+
+    def begin(self, header: dict, argv: list[str]) -> None:
+        begin_run(self, header, argv)
 
 
 def node_run(scenario_text: str, scenario_path: str, prior: list[dict], label: str,

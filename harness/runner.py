@@ -332,8 +332,9 @@ class _Rounds:
             phases.update(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
                                                                 or m.shared_prefix)) if on)
         self.prober.beside(round_index, needs)
-        self.writer.append({"type": "round", "round": round_index, "order": order,
-                            "idle_other_cores": idle, "at": now_iso()})
+        if all(r["round"] != round_index for r in self.writer.records.rounds):  # not resumed
+            self.writer.append({"type": "round", "round": round_index, "order": order,
+                                "idle_other_cores": idle, "at": now_iso()})
         by_id = {m.id: m for m in active}
         for position, cell_id in enumerate(order):
             if any(r["round"] == round_index for r in self.reps[cell_id]):
@@ -403,10 +404,19 @@ class _Rounds:
 
         return widest_ci(m.id, self._partners(m), series, self.scenario.target)
 
+    def _resumed_cell(self, m: Measurement):
+        """A cell whose repetitions all landed before an interruption: its context set up and
+        warmed again now, so its record states the setup it was measured with."""
+        from .engine.measure import Cell
+
+        if m.model.key not in self.models:
+            return None
+        return Cell(self.models[m.model.key], m, self.scenario.seed, self.pages.get(m.model.key))
+
     def _write_measurement(self, m: Measurement, reason: str, ci: float | None) -> None:
         from .engine.measure import make_record
 
-        cell = self.cells.pop(m.id, None)
+        cell = self.cells.pop(m.id, None) or self._resumed_cell(m)
         reps = [r["rep"] for r in self.reps[m.id]]
         idle = [r["idle_other_cores"] for r in self.writer.records.rounds
                 if r["round"] in {x["round"] for x in self.reps[m.id]}]
@@ -417,7 +427,7 @@ class _Rounds:
                "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
                "ci_reached": ci, "target": self.scenario.target,
                "partners": [list(p) for p in self.partners.get(m.id, [])]}
-        setup = cell.setup if cell else {}
+        setup = cell.setup if cell else None  # missing: the model is not loaded now
         warmups = cell.warmups if cell else []
         started = cell.started if cell else self.reps[m.id][0]["at"]
         self.writer.append(make_record(m, self.infos[m.model.key], warmups, reps, setup,
@@ -428,22 +438,16 @@ class _Rounds:
 
 
 def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:
-    header = writer.records.header
-    if header is None:
-        writer.append({
-            "type": "header", "schema_version": SCHEMA_VERSION, "harness": __version__,
-            "created": now_iso(), "argv": argv or sys.argv,
-            "scenario": {"path": str(scenario.path), "name": scenario.name,
-                         "title": scenario.title, "description": scenario.description,
-                         "sha256": scenario.sha256, "text": scenario.text,
-                         "reference": scenario.reference},
-            "plan": [m.id for m in scenario.measurements], "env": env,
-        })
-        return
-    if header["scenario"]["sha256"] != scenario.sha256:
-        raise HarnessError("the scenario changed since this run started", source=str(writer.dir),
-                           fix="resume with the same scenario file, or start a new run")
-    writer.append({"type": "resume", "at": now_iso(), "argv": argv or sys.argv, "env": env})
+    """The run's header, or on resume the check that scenario and machine are unchanged."""
+    writer.begin({
+        "type": "header", "kind": "measurement", "schema_version": SCHEMA_VERSION,
+        "harness": __version__, "created": now_iso(), "argv": argv or sys.argv,
+        "scenario": {"path": str(scenario.path), "name": scenario.name,
+                     "title": scenario.title, "description": scenario.description,
+                     "sha256": scenario.sha256, "text": scenario.text,
+                     "reference": scenario.reference},
+        "plan": [m.id for m in scenario.measurements], "env": env,
+    }, argv or sys.argv)
 
 
 def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> None:

@@ -4,15 +4,11 @@ record and each level's summary in results.jsonl, and render the serving page.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from . import __version__
 from .analysis.serving import level_roofline
@@ -21,8 +17,17 @@ from .core.errors import HarnessError, MeasurementError
 from .core.serving import RequestTiming, level_summary, steady_decode
 from .core.stats import ratio_summary
 from .engine.build import write_text_atomically
+from .engine.env import collect_env
 from .engine.load import Level, Workload, run_level
 from .engine.measure import now_iso
+from .engine.results import (
+    RESULTS_FILE,
+    SCHEMA_VERSION,
+    Records,
+    RunWriter,
+    read_records,
+    run_kind,
+)
 from .engine.server import (
     RunningServer,
     ServerSpec,
@@ -116,28 +121,26 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     dies or a level that fails ends the run with what was measured kept and rendered; with
     resume, the levels an earlier run of out_dir finished are kept and the others run whole."""
     check_out_dir(out_dir, resume)
-    kept = finished_levels(out_dir / "results.jsonl") if resume else []
-    done = {lv["level"] for lv in kept if lv["type"] == "level"}
     server = start_server(run.server) if run.server else None  # nothing written before
     yard = roof = None
     try:
-        yard = _yardstick(run) if server else None
-        costs = _costs(run) if server else None
-        roof = _Ceilings(costs, run.server.threads, kept) if costs else None
-        out_dir.mkdir(parents=True, exist_ok=True)
         url = server.url if server else run.endpoint.rstrip("/")
-        with _locked(out_dir), (out_dir / "results.jsonl").open("w") as f:
-            fresh = [_header(run, argv, url, server)] + ([costs] if costs else [])
-            for record in kept or fresh:
-                _write(f, record)
+        with RunWriter(out_dir, resume=resume, kind="serving") as writer:
+            writer.keep_through(closes_unit)  # a level cut short is run again, whole
+            writer.begin(_header(run, argv, url, server), argv)
+            done = {lv["level"] for lv in writer.records.other if closes_unit(lv)}
+            yard = _yardstick(run) if server else None
+            costs = _costs(run) if server else None
+            if costs and not writer.records.models:
+                writer.append(costs)
+            roof = _Ceilings(costs, run.server.threads) if costs else None
             try:
                 for level in run.levels:
                     if level.key in done:
                         say(f"{level.label}: kept from the earlier run")
                         continue
-                    _run_one(run, level, url, server, f, say, yard, roof)
+                    _run_one(run, level, url, server, writer, say, yard, roof)
             finally:  # from the records written, so a level whose server died after it shows
-                f.flush()
                 rerender_serving(out_dir)
     finally:
         for held in (yard, roof):
@@ -148,58 +151,36 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     return out_dir / "report.md"
 
 
+def closes_unit(record: dict) -> bool:
+    """A serving run's unit of work is a level: it counts once its level record landed with
+    the server alive to its end (the header and the model before the levels stay too)."""
+    return (record.get("type") in ("header", "model")
+            or (record.get("type") == "level" and record.get("complete", True)))
+
+
 def check_out_dir(out_dir: Path, resume: bool) -> None:
-    """Refuse a folder a serving run must not write into: one that holds results already
-    (unless this resumes the serving run there), or another kind of run's results, which
-    writing would destroy."""
-    results = out_dir / "results.jsonl"
+    """Refuse, before anything is built or started, a folder a serving run must not write
+    into (the store refuses it again when it opens the folder)."""
+    results = out_dir / RESULTS_FILE
     if not (results.is_file() and results.stat().st_size > 0):
         return
-    if load_serving_run(out_dir) is None:
-        raise HarnessError("the run directory holds another kind of run's results",
-                           source=str(out_dir), fix="choose another --out")
+    kind = run_kind(read_records(results).header)
+    if kind != "serving":
+        raise HarnessError(f"the run directory holds a {kind} run's results, not a serving "
+                           "run's", source=str(out_dir), fix="choose another --out")
     if not resume:
         raise HarnessError("the run directory already holds results", source=str(out_dir),
                            fix="resume it with harness run SCENARIO --out DIR --resume, or "
                                "choose another --out")
 
 
-@contextlib.contextmanager
-def _locked(out_dir: Path):
-    """The run directory's lock (as a measurement run's): two runs never share a folder."""
-    lock = FileLock(str(out_dir / ".lock"), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise HarnessError("another run is writing into this run directory",
-                           source=str(out_dir), fix="wait for it or choose another --out"
-                           ) from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def finished_levels(results: Path) -> list[dict]:
-    """An earlier run's header, served model, ceiling probes (each measured the machine at its
-    time) and the records of every level it finished (a level's requests come before its level
-    record: those of a level cut short are dropped, and so is a last line cut short)."""
-    if not results.exists():
-        return []
-    lines = [line for line in results.read_text().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except (ValueError, RecursionError):
-            if number == len(lines):  # a write cut short by a crash: the level is not finished
-                break
-            raise HarnessError(f"line {number} is not a JSON record", source=str(results),
-                               fix="restore the file, or start the run again elsewhere"
-                               ) from None
-    finished = {r["level"] for r in records if r.get("type") == "level"}
-    return [r for r in records if r.get("type") in ("header", "model", "probe")
-            or r.get("level") in finished]
+def finished_levels(records: Records) -> list[dict]:
+    """A serving run's header, served model, ceiling probes and the records of every level it
+    finished (the records of a level cut short are not a level's)."""
+    kept = [r for r in records.other if r["type"] == "level"]
+    finished = {r["level"] for r in kept}
+    return ([records.header] + list(records.models.values()) + records.probes
+            + [r for r in records.other if r.get("level") in finished])
 
 
 def _costs(run: ServingRun) -> dict:
@@ -210,10 +191,10 @@ def _costs(run: ServingRun) -> dict:
     path = Path(run.server.model)
     try:
         spec = spec_from_gguf(path)
-        return {"type": "model", "path": str(path), "spec": spec.to_dict(),
+        return {"type": "model", "key": "served", "path": str(path), "spec": spec.to_dict(),
                 **model_costs(tensor_table(path), spec)}
     except (HarnessError, OSError, ValueError) as exc:
-        return {"type": "model", "path": str(path), "error": str(exc)}
+        return {"type": "model", "key": "served", "path": str(path), "error": str(exc)}
 
 
 class _Ceilings:
@@ -221,11 +202,10 @@ class _Ceilings:
     server's threads while it is idle: before every round of a level and after its last.
     Records carry a sequence number, so a round's bound uses the probes either side of it."""
 
-    def __init__(self, costs: dict, threads: int, kept: list[dict]) -> None:
+    def __init__(self, costs: dict, threads: int) -> None:
         self.threads, self.error = threads, costs.get("error")
         self.dtypes = sorted(set(costs.get("decode_type_n_bytes") or {})
                              | set(costs.get("matmul_type_n_params") or {}))
-        self.seq = max((r["seq"] for r in kept if "seq" in r), default=0)
         self.prober = None
         if self.error is None:
             try:
@@ -235,13 +215,9 @@ class _Ceilings:
             except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
     def probe(self, when: str) -> dict:
         """One probe record; a probe that fails keeps its reason, never a guess."""
-        record = {"type": "probe", "seq": self.next_seq(), "when": when, "at": now_iso(),
+        record = {"type": "probe", "when": when, "at": now_iso(),
                   "threads": [self.threads]}
         try:
             if self.prober is None:
@@ -267,7 +243,8 @@ def _yardstick(run: ServingRun):
                          spec.threads, spec.ubatch, seed=w.seed)
 
 
-def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None, f,
+def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | None,
+             writer: RunWriter,
              say, yard=None, roof: _Ceilings | None = None) -> dict:
     compare = yard is not None and level.concurrency and level.concurrency <= run.server.slots
     n_rounds = _n_rounds(run, level) if compare else 1
@@ -275,16 +252,16 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
     shares = [_share(run.workload.n_requests, n_rounds, r) for r in range(n_rounds)]
     raws, probe_seqs = [], []
     for r, n in enumerate(shares):  # in-process, probe, served, in-process, probe, …
-        probe_seqs += [_probe(roof, f, f"{level.key} round {r}")] if roof else []
+        probe_seqs += [_probe(roof, writer, f"{level.key} round {r}")] if roof else []
         w = replace(run.workload, n_requests=n, duration_s=run.workload.duration_s / n_rounds,
                     warmup=run.workload.warmup if r == 0 else 0, pin_slots=_pinned(run, level))
         raws.append(asyncio.run(run_level(url, level, w, first=sum(shares[:r]))))
         if compare:
             inprocess.append(yard.aggregate_tok_s(level.concurrency))
-    probe_seqs += [_probe(roof, f, f"{level.key} after")] if roof else []
+    probe_seqs += [_probe(roof, writer, f"{level.key} after")] if roof else []
     records = [{"round": r} | rec for r, raw in enumerate(raws) for rec in raw["records"]]
     for rec in records:
-        _write(f, {"type": "request", "level": level.key} | rec)
+        writer.append({"type": "request", "level": level.key} | rec)
     round_timings = [timings_of(raw["records"]) for raw in raws]
     timings = [t for each in round_timings for t in each]
     failed = len(records) - len(timings)
@@ -302,9 +279,11 @@ def _run_one(run: ServingRun, level: Level, url: str, server: RunningServer | No
               if compare else None,
               "counters": counter_deltas(raws[0]["metrics_before"], raws[-1]["metrics_after"]),
               "errors": sorted({r["error"] for r in records if r["error"]})[:5]}
-    if roof:  # the probes either side of each round, and the level's place among them
-        record |= {"probe_seqs": probe_seqs, "seq": roof.next_seq()}
-    _write(f, record)
+    if roof:  # the probes either side of each round (the level's own seq places it after)
+        record["probe_seqs"] = probe_seqs
+    # A level whose server died under it is shown, and run again on resume.
+    record["complete"] = server is None or server.alive()
+    writer.append(record)
     say(f"{level.label}: {len(timings)} requests, {failed} failed "
         f"[{wall_s:.1f} s{f', {len(raws)} rounds' if len(raws) > 1 else ''}]")
     if server and not server.alive():
@@ -328,11 +307,10 @@ def _pinned(run: ServingRun, level: Level) -> bool:
             and level.concurrency <= run.server.slots)
 
 
-def _probe(roof: _Ceilings, f, when: str) -> int:
+def _probe(roof: _Ceilings, writer: RunWriter, when: str) -> int:
     """Probe the ceilings now, write the record, and return its sequence number."""
-    record = roof.probe(when)
-    _write(f, record)
-    return record["seq"]
+    writer.append(roof.probe(when))
+    return writer.records.probes[-1]["seq"]
 
 
 def _n_rounds(run: ServingRun, level: Level) -> int:
@@ -366,7 +344,8 @@ def _server_ms(records: list[dict], key: str) -> list[float]:
 
 
 def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | None) -> dict:
-    return {"type": "header", "schema_version": 1, "harness": __version__,
+    return {"type": "header", "kind": "serving", "schema_version": SCHEMA_VERSION,
+            "harness": __version__, "env": collect_env(),
             "created": now_iso(), "argv": argv, "python": sys.version.split()[0],
             "model": run.model_label, "url": url,
             "server": asdict(run.server) | {"model": str(run.server.model),
@@ -405,24 +384,16 @@ def _server_build(spec: ServerSpec) -> dict | None:
     return asdict(build) if build and Path(build.binary) == Path(spec.server) else None
 
 
-def _write(f, record: dict) -> None:
-    f.write(json.dumps(record, default=str) + "\n")
-    f.flush()
-
-
 def load_serving_run(run_dir: Path) -> tuple[dict, list[dict]] | None:
     """A serving run's header and level records; None where run_dir holds another kind of run
     (or none)."""
-    results = run_dir / "results.jsonl" if run_dir.is_dir() else run_dir
-    try:
-        with results.open() as f:
-            header = json.loads(f.readline() or "{}")
-    except (OSError, ValueError, RecursionError):
+    results = run_dir / RESULTS_FILE if run_dir.is_dir() else run_dir
+    if not results.is_file():
         return None
-    if header.get("type") != "header" or "workload" not in header:
+    records = read_records(results)
+    if run_kind(records.header) != "serving":
         return None
-    records = finished_levels(results)
-    return header, with_roofline(header, records)
+    return records.header, with_roofline(records.header, finished_levels(records))
 
 
 def with_roofline(header: dict, records: list[dict]) -> list[dict]:
@@ -441,11 +412,10 @@ def with_roofline(header: dict, records: list[dict]) -> list[dict]:
 
 def rerender_serving(run_dir: Path) -> Path:
     """Write a serving run's page (and plots) again from its results."""
-    _write_page(run_dir, load_serving_run(run_dir)[1])
+    _write_page(run_dir, *load_serving_run(run_dir))
     return run_dir / "report.md"
 
 
-def _write_page(out_dir: Path, levels: list[dict]) -> None:
-    header = json.loads((out_dir / "results.jsonl").open().readline() or "{}")
+def _write_page(out_dir: Path, header: dict, levels: list[dict]) -> None:
     plots = write_serving_plots(levels, out_dir)
     write_text_atomically(out_dir / "report.md", render_serving_page(header, levels, plots))

@@ -352,7 +352,8 @@ def test_serving_into_a_folder_of_results_is_refused_and_the_results_stay(run_cl
     results.write_text(json.dumps({"type": "header", "scenario": {}, "env": {}}) + "\n")
     before = results.read_bytes()
     refused = run_cli("serve", "tiny-qwen2", "--out", str(run))
-    assert_user_error(refused, "holds another kind of run's results", "choose another --out")
+    assert_user_error(refused, "holds a measurement run's results, not a serving run's",
+                      "choose another --out")
     assert results.read_bytes() == before
     served = tmp_path / "served"
     served.mkdir()
@@ -363,15 +364,20 @@ def test_serving_into_a_folder_of_results_is_refused_and_the_results_stay(run_cl
 
 
 def test_a_serving_results_file_cut_short_keeps_its_finished_levels(tmp_path):
-    from harness.serving import finished_levels
+    from harness.engine.results import RunWriter, read_records
+    from harness.serving import closes_unit, finished_levels
 
     results = tmp_path / "results.jsonl"
-    lines = [{"type": "header", "workload": {}}, {"type": "request", "level": "c1"},
-             {"type": "level", "level": "c1"}, {"type": "request", "level": "c2"}]
+    lines = [{"type": "header", "kind": "serving", "workload": {}},
+             {"type": "request", "level": "c1"}, {"type": "level", "level": "c1"},
+             {"type": "request", "level": "c2"}]
     text = "\n".join(json.dumps(x) for x in lines) + "\n"
     results.write_text(text + '{"type": "level", "lev')
-    kept = finished_levels(results)
+    kept = finished_levels(read_records(results))
     assert [r["type"] for r in kept] == ["header", "request", "level"]
+    with RunWriter(tmp_path, resume=True, kind="serving") as writer:
+        writer.keep_through(closes_unit)  # c2's request and the cut line go
+    assert results.read_text() == "\n".join(json.dumps(x) for x in lines[:3]) + "\n"
     results.write_text('{"type": "header"}\nnot json\n' + text)
-    with pytest.raises(HarnessError, match="line 2 is not a JSON record"):
-        finished_levels(results)
+    with pytest.raises(HarnessError, match="corrupt results line"):
+        read_records(results)

@@ -8,7 +8,7 @@ from conftest import assert_user_error
 from harness import runner
 from harness.core.errors import HarnessError
 from harness.engine.measure import Cell
-from harness.engine.results import RunWriter, read_records
+from harness.engine.results import SCHEMA_VERSION, RunWriter, read_records
 from harness.engine.scenario import load_scenario
 from harness.runner import Console, run_scenario
 
@@ -31,7 +31,8 @@ def run(tmp_path, scenario=SCENARIO, console=QUIET, resume=False):
 def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
     fast_noise(monkeypatch)
     plan, records = run(tmp_path)
-    assert records.header["schema_version"] == 1
+    assert records.header["schema_version"] == SCHEMA_VERSION
+    assert records.header["kind"] == "measurement"
     assert records.header["scenario"]["text"] == SCENARIO.read_text()
     assert records.header["plan"] == [m.id for m in plan.measurements]
     assert set(records.models) == {"tiny-qwen2|f32", "tiny-qwen2|q8_0", "tiny-llama|f32",
@@ -187,8 +188,10 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert [r["type"] for r in records.other] == ["resume"]
     whens = [p["when"] for p in records.probes if p["when"] != "beside"]
     assert whens == ["before", "before", "after"]
-    # the interrupted cells kept their three repetitions: none ran a fourth
+    # the interrupted cells kept their three repetitions: none ran a fourth; those written on
+    # resume state the setup their context was made with, as the others do
     assert all(m["repetitions"] == 3 for m in records.measurements)
+    assert all("flash_attn_used" in m["setup"] for m in records.measurements)
     assert len(records.repetitions) == 3 * len(plan.measurements)
 
 
@@ -211,13 +214,13 @@ def test_resume_mid_round_keeps_the_shuffle_and_the_repetitions(tmp_path, monkey
     assert calls["n"] == 12 + 5 and partial.measurements == []
     monkeypatch.setattr(runner._Rounds, "_repetition", real)
     _, records = run(tmp_path, resume=True)
-    # round 1 was finished in the order it started with, then round 2 followed
-    orders = [r["order"] for r in records.rounds]
-    assert [r["round"] for r in records.rounds] == [0, 1, 1, 2]
-    assert orders[1] == orders[2]
+    # round 1 was finished in the order it started with (its round record not written again),
+    # then round 2 followed
+    assert [r["round"] for r in records.rounds] == [0, 1, 2]
     round1 = sorted((r for r in records.repetitions if r["round"] == 1),
                     key=lambda r: r["seq"])
     assert [r["position"] for r in round1] == list(range(12))
+    assert [r["id"] for r in round1] == records.rounds[1]["order"]
     assert all(m["repetitions"] == 3 and m["samples"]["rounds"] == [0, 1, 2]
                for m in records.measurements)
 
@@ -226,7 +229,8 @@ def test_truncated_last_line_is_dropped_on_resume(tmp_path, monkeypatch):
     fast_noise(monkeypatch)
     plan = load_scenario(SCENARIO, 1)
     with RunWriter(tmp_path / "run", resume=False) as w:
-        w.append({"type": "header", "scenario": {"sha256": plan.sha256}, "plan": []})
+        w.append({"type": "header", "kind": "measurement", "schema_version": SCHEMA_VERSION,
+                  "scenario": {"sha256": plan.sha256}, "plan": []})
     path = tmp_path / "run" / "results.jsonl"
     with path.open("a") as f:
         f.write('{"type": "measurement", "id": "cut sh')
@@ -251,7 +255,7 @@ def test_resume_with_a_changed_scenario_is_refused(tmp_path, monkeypatch):
     run(tmp_path)
     changed = tmp_path / "changed.yaml"
     changed.write_text(SCENARIO.read_text().replace("repetitions: 3", "repetitions: 2"))
-    with pytest.raises(HarnessError, match="scenario changed"):
+    with pytest.raises(HarnessError, match="the scenario file changed"):
         run(tmp_path, scenario=changed, resume=True)
 
 

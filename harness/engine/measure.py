@@ -223,7 +223,8 @@ WORKLOADS = {"single": _single, "batched": _batched, "prefix_cache": _prefix_cac
 
 
 def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict],
-                setup: dict, noise_reading: dict, started: str, run: dict | None = None) -> dict:
+                setup: dict | None, noise_reading: dict, started: str,
+                run: dict | None = None) -> dict:
     """The measurement record of a cell: every repetition's raw samples in round order, and
     their summaries; run: how its rounds went (policy, why it stopped, its span of records)."""
     s = m.settings
@@ -233,7 +234,7 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
         "model_key": m.model.key, "dtype": m.model.dtype,
         "threads": s.threads, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch,
         "n_ctx": m.n_ctx, "n_ctx_total": m.n_ctx_total, "n_seq_max": m.n_seq_max,
-        "flash_attn": s.flash_attn, "flash_attn_used": setup.get("flash_attn_used"),
+        "flash_attn": s.flash_attn, "flash_attn_used": (setup or {}).get("flash_attn_used"),
         "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,
         "shared_prefix": m.shared_prefix, "repetitions": len(reps), "warmup": s.warmup,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from filelock import FileLock, Timeout
 from ..core.errors import HarnessError
 from .records import summarized
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: headers name their run kind; one store for every kind
 RESULTS_FILE = "results.jsonl"
 
 
@@ -50,7 +51,7 @@ def read_records(path: Path) -> Records:
     lines = complete.split(b"\n") if complete else []
     for number, line in enumerate(lines, start=1):
         try:
-            record = json.loads(line)
+            record = migrate(json.loads(line))
         except (ValueError, RecursionError):  # not JSON, a number past Python's limit, too deep
             record = None
         if not _well_formed(record):
@@ -75,8 +76,20 @@ def _resummarized(record: dict, path: Path, number: int) -> dict:
                            fix="restore the file or start a new run") from None
 
 
+def migrate(record: dict) -> dict:
+    """A record of any schema in today's shape (schema 1: a header without its run kind, a
+    served model without a key)."""
+    if not isinstance(record, dict):
+        return record
+    if record.get("type") == "header" and "kind" not in record:
+        record = record | {"kind": run_kind(record)}
+    elif record.get("type") == "model" and "key" not in record:
+        record = record | {"key": "served"}
+    return record
+
+
 # The keys each record type is filed by; a line without them was not written by a run.
-_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("scenario",),
+_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("kind",),
              "repetition": ("id", "round", "rep"), "round": ("round",)}
 
 
@@ -89,7 +102,8 @@ def file_record(records: Records, record: dict) -> None:
     """File one record into records (by its type), numbering it in file order."""
     # seq: the record's place in the file, so analysis can find the probes beside a measurement
     records.n_records += 1
-    record = dict(record, seq=records.n_records)
+    # A serving run of schema 1 numbered its probes and levels itself: those numbers are kept.
+    record = dict(record, seq=record.get("seq", records.n_records))
     kind = record.get("type")
     if kind == "header":
         records.header = records.header or record
@@ -111,11 +125,87 @@ def file_record(records: Records, record: dict) -> None:
         records.other.append(record)
 
 
-class RunWriter:
-    """Appends records to results.jsonl; holds a lock so two runs never share a directory."""
+# What makes a run's machine the same machine as before: host, machine id (a rescheduled pod
+# keeps its hostname, not its /etc/machine-id), CPU, cores, RAM, ggml commit.
+IDENTITY_KEYS = ("hostname", "machine_id", "cpu_model", "physical_cores", "ram_total_bytes",
+                 "ggml_commit")
+RAM_TOLERANCE = 0.01  # the kernel's reserved memory moves total RAM by megabytes between boots
 
-    def __init__(self, run_dir: Path, *, resume: bool) -> None:
-        self.dir = run_dir
+
+def machine_identity(env: dict) -> dict:
+    """The identity fields of an environment record (engine/env.collect_env)."""
+    return {key: (env.get("llama") or {}).get(key) if key == "ggml_commit" else env.get(key)
+            for key in IDENTITY_KEYS}
+
+
+def identity_differences(now: dict, before: dict) -> list[str]:
+    """What differs between two machine identities, each as 'key now (was before)'."""
+    out = []
+    for key in IDENTITY_KEYS:
+        a, b = now.get(key), before.get(key)
+        if key == "ram_total_bytes" and a and b and abs(a - b) <= RAM_TOLERANCE * b:
+            continue
+        if key == "machine_id" and b is None:  # recorded before harness kept it
+            continue
+        if a != b:
+            out.append(f"{key} {_shown(key, a)} (was {_shown(key, b)})")
+    return out
+
+
+def _shown(key: str, value: object) -> object:
+    return f"{value / 2**30:.1f} GiB" if key == "ram_total_bytes" and value else value
+
+
+def run_kind(header: dict | None) -> str | None:
+    """measurement or serving: what kind of run a header starts (None: no header)."""
+    if header is None:
+        return None
+    return header.get("kind") or ("serving" if "workload" in header else "measurement")
+
+
+# Per run kind, the header fields a resume must find unchanged (the machine's identity too).
+RESUME_KEYS = {"measurement": ("scenario.sha256",),
+               "serving": ("model", "server", "workload", "slo")}
+# A server's command line names its run folder's log and a free port: not part of its identity.
+_SERVER_VOLATILE = ("command", "port")
+
+
+def header_differences(kind: str, new: dict, old: dict) -> list[str]:
+    """What a resume would change: each header field of RESUME_KEYS[kind] and the machine."""
+    out = []
+    for dotted in RESUME_KEYS[kind]:
+        a, b = _field(new, dotted), _field(old, dotted)
+        if dotted == "server" and isinstance(a, dict) and isinstance(b, dict):
+            a, b = ({k: v for k, v in x.items() if k not in _SERVER_VOLATILE} for x in (a, b))
+        if a != b:
+            out.append("the scenario file changed" if dotted == "scenario.sha256"
+                       else _what_differs(dotted, a, b))
+    if new.get("env") and old.get("env"):
+        out += identity_differences(machine_identity(new["env"]), machine_identity(old["env"]))
+    return out
+
+
+def _field(record: dict, dotted: str):
+    for part in dotted.split("."):
+        record = record.get(part) if isinstance(record, dict) else None
+    return record
+
+
+def _what_differs(name: str, a, b) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+        return ", ".join(f"{name}.{k} {a.get(k)} (was {b.get(k)})" for k in keys)
+    return f"{name} {a} (was {b})"
+
+
+class RunWriter:
+    """The one writer of every run's results.jsonl (measurement, serving, a fleet node's):
+    holds the folder's lock, pushes each record to disk before the next, drops a cut last line
+    and takes back a failed append, and refuses a folder holding another kind of run or, on
+    resume, another run's header."""
+
+    def __init__(self, run_dir: Path, *, resume: bool, kind: str = "measurement") -> None:
+        self.dir, self.kind = run_dir, kind
         self.path = run_dir / RESULTS_FILE
         exists = self.path.exists() and self.path.stat().st_size > 0
         if exists and not resume:
@@ -124,33 +214,56 @@ class RunWriter:
         if resume and not exists:
             raise HarnessError("nothing to resume: no results in the run directory",
                                source=str(run_dir), fix="drop --resume to start a new run")
+        self._lock = _lock(run_dir)
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock = FileLock(str(run_dir / ".lock"), timeout=0)
-            self._lock.acquire()
-        except Timeout:
-            raise HarnessError("another run is writing into this run directory",
-                               source=str(run_dir), fix="wait for it or choose another --out"
-                               ) from None
-        except OSError as exc:
-            raise HarnessError(f"run directory is not writable ({exc.strerror})",
-                               source=str(run_dir), fix="choose another --out") from None
-        self.records = read_records(self.path) if exists else Records()
-        if self.records.truncated_bytes:
-            # A crash cut the last record short: drop the fragment so appends stay valid lines.
-            with self.path.open("r+b") as f:
-                f.truncate(self.path.stat().st_size - self.records.truncated_bytes)
-        self._file = self.path.open("a", encoding="utf-8")
+            self.records = read_records(self.path) if exists else Records()
+            self._check_kind()
+            if self.records.truncated_bytes:
+                # A crash cut the last record short: drop the fragment so appends stay lines.
+                _truncate(self.path, self.path.stat().st_size - self.records.truncated_bytes)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _check_kind(self) -> None:
+        found = run_kind(self.records.header)
+        if found not in (None, self.kind):
+            raise HarnessError(f"the run directory holds a {found} run's results, not a "
+                               f"{self.kind} run's", source=str(self.dir),
+                               fix="choose another --out")
+
+    def begin(self, header: dict, argv: list[str]) -> None:
+        begin_run(self, header, argv)
+
+    def keep_through(self, closes_unit) -> None:
+        """On resume, drop every record after the last that closes a unit of work: a unit cut
+        short is done again, whole, not pooled with its fragment."""
+        lines = self.path.read_bytes().split(b"\n")[: self.records.n_records]
+        last = max((i for i, line in enumerate(lines)
+                    if closes_unit(migrate(json.loads(line)))), default=-1)
+        if last + 1 < len(lines):
+            _truncate(self.path, sum(len(line) + 1 for line in lines[: last + 1]))
+            self.records = read_records(self.path)
 
     def append(self, record: dict) -> None:
-        """Write one record and push it to disk before anything else happens."""
-        self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """Write one record and push it to disk before anything else happens; a write that
+        fails (a full disk) is taken back to the last whole line before the error goes on."""
+        data = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
         file_record(self.records, record)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
         self._lock.release()
 
     def __enter__(self) -> RunWriter:
@@ -158,3 +271,45 @@ class RunWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def begin_run(writer, header: dict, argv: list[str]) -> None:
+    """Write a new run's header, or check a resumed run's against it (exit 2 naming what
+    differs) and record the resume; writer: a RunWriter or a fleet node's stream."""
+    old = writer.records.header
+    if old is None:
+        writer.append(header)
+        return
+    if old.get("schema_version") != header["schema_version"]:
+        raise HarnessError(f"this run was written by another harness (results schema "
+                           f"{old.get('schema_version')}, this one writes "
+                           f"{header['schema_version']})", source=str(writer.dir),
+                           fix="start a new run with another --out")
+    if diff := header_differences(writer.kind, header, old):
+        raise HarnessError(f"cannot resume: {'; '.join(diff)} since this run started",
+                           source=str(writer.dir),
+                           fix="resume with the same scenario on the same machine, or start "
+                               "a new run with another --out")
+    writer.append({"type": "resume", "at": header.get("created"), "argv": argv,
+                   "env": header.get("env")})
+
+
+def _lock(run_dir: Path) -> FileLock:
+    """The run directory's lock: two runs never write into one folder."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(run_dir / ".lock"), timeout=0)
+        lock.acquire()
+        return lock
+    except Timeout:
+        raise HarnessError("another run is writing into this run directory",
+                           source=str(run_dir), fix="wait for it or choose another --out"
+                           ) from None
+    except OSError as exc:
+        raise HarnessError(f"run directory is not writable ({exc.strerror})",
+                           source=str(run_dir), fix="choose another --out") from None
+
+
+def _truncate(path: Path, n_bytes: int) -> None:
+    with path.open("r+b") as f:
+        f.truncate(n_bytes)

@@ -1,0 +1,90 @@
+"""The one store every run writes through (harness.engine.results): its refusals, a failed
+append taken back, and the resume rule."""
+
+import json
+import os
+
+import pytest
+
+from harness.core.errors import HarnessError
+from harness.engine import results
+from harness.engine.results import SCHEMA_VERSION, RunWriter, read_records
+
+ENV = {"hostname": "lab", "machine_id": "aaaa", "cpu_model": "EPYC", "physical_cores": 2,
+       "ram_total_bytes": 24 * 2**30, "llama": {"ggml_commit": "abc"}}
+
+
+def header(kind="measurement", **fields):
+    base = {"type": "header", "kind": kind, "schema_version": SCHEMA_VERSION, "env": ENV,
+            "created": "now"}
+    if kind == "measurement":
+        base["scenario"] = {"sha256": "s1"}
+    else:
+        base |= {"model": "m", "server": {"slots": 2, "command": ["x", "--port", "1"]},
+                 "workload": {"n_prompt": 128}, "slo": None}
+    return base | fields
+
+
+def started(tmp_path, kind="measurement", **fields):
+    with RunWriter(tmp_path, resume=False, kind=kind) as w:
+        w.begin(header(kind, **fields), ["harness"])
+        w.append({"type": "round", "round": 0})
+
+
+def test_a_failed_append_is_taken_back_to_the_last_whole_line(tmp_path, monkeypatch):
+    started(tmp_path)
+    path = tmp_path / "results.jsonl"
+    before = path.read_bytes()
+    real = os.write
+
+    def half_then_full(fd, data):
+        real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    with RunWriter(tmp_path, resume=True) as w:
+        monkeypatch.setattr(results.os, "write", half_then_full)
+        with pytest.raises(OSError):
+            w.append({"type": "round", "round": 1})
+        assert path.read_bytes() == before  # no fragment left behind
+        monkeypatch.setattr(results.os, "write", real)
+        w.append({"type": "node_failure", "error": "disk"})  # the next append is a whole line
+    assert [r["type"] for r in read_records(path).other] == ["node_failure"]
+
+
+def test_resume_on_another_machine_is_refused_naming_what_differs(tmp_path):
+    started(tmp_path)
+    with RunWriter(tmp_path, resume=True) as w, pytest.raises(HarnessError) as err:
+        w.begin(header(env=ENV | {"hostname": "pi", "machine_id": "bbbb"}), ["harness"])
+    assert "hostname pi (was lab)" in str(err.value) and "machine_id bbbb (was aaaa)" in str(
+        err.value)
+    assert read_records(tmp_path / "results.jsonl").other == []  # nothing written
+
+
+def test_resume_of_a_changed_serving_plan_is_refused(tmp_path):
+    started(tmp_path, "serving")
+    with RunWriter(tmp_path, resume=True, kind="serving") as w:
+        # another port in the server's command is not another server
+        w.begin(header("serving", server={"slots": 2, "command": ["x", "--port", "2"]}), [])
+        with pytest.raises(HarnessError, match=r"workload.n_prompt 512 \(was 128\)"):
+            w.begin(header("serving", workload={"n_prompt": 512}), [])
+
+
+def test_a_folder_of_another_kind_or_schema_is_refused(tmp_path):
+    started(tmp_path, "serving")
+    with pytest.raises(HarnessError, match="holds a serving run's results, not a measurement"):
+        RunWriter(tmp_path, resume=True)
+    old = tmp_path / "old"
+    started(old)
+    with RunWriter(old, resume=True) as w, pytest.raises(HarnessError, match="schema 1"):
+        w.records.header["schema_version"] = 1
+        w.begin(header(), [])
+
+
+def test_a_schema_1_serving_file_is_read_as_a_serving_run(tmp_path):
+    path = tmp_path / "results.jsonl"
+    lines = [{"type": "header", "schema_version": 1, "workload": {}},
+             {"type": "model", "path": "m.gguf"}, {"type": "probe", "seq": 1, "when": "c1"}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = read_records(path)
+    assert records.header["kind"] == "serving" and list(records.models) == ["served"]
+    assert records.probes[0]["seq"] == 1
