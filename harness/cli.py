@@ -439,9 +439,9 @@ def twin(ctx: click.Context, real: Path, out: Path | None, threads: str, prompt:
                cache_dir=cache_dir, ray_address=None, nodes=(), relabel=False)
     from .engine.results import read_records
     from .levers.twins import twin_sentence
-    from .report.analyze import analyze_records
+    from .study.analyze import analyze_records
 
-    for row in analyze_records(read_records(run_dir / "results.jsonl")).get("twins") or []:
+    for row in analyze_records(read_records(run_dir / "results.jsonl"))["twins"]:
         click.echo(twin_sentence(row))
 
 
@@ -525,17 +525,12 @@ def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
     for m in plan.measurements:
         policy = repetitions_label(m.settings.policy, plan.target)
         click.echo(f"{m.id}  ({m.model.label} {m.model.dtype}, {m.settings.threads} threads, "
-                   f"{test_label(_lever_fields(m))}, {policy} + "
+                   f"{test_label(m)}, {policy} + "
                    f"{m.settings.warmup} warm-up)")
     summary = plan_summary(plan, cache_dir)
     click.echo(f"{plan.title}: {len(plan.measurements)} measurements of "
                f"{summary['n_models']} model file(s); at most {summary['ram_gib']:.2f} GiB of "
                f"RAM at once; {summary['build_gib']:.2f} GiB still to build. OK.", err=True)
-
-
-def _lever_fields(m) -> dict:
-    return {"n_prompt": m.n_prompt, "n_gen": m.n_gen, "depth": m.depth, "kv_type": m.kv_type,
-            "parallel": m.parallel, "shared_prefix": m.shared_prefix}
 
 
 def _run_fleet(scenario: Path, address: str, nodes: tuple[str, ...], out: Path | None,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import __version__
 from .core.errors import HarnessError
+from .core.records import Measurement
 from .core.yamlio import NAME_RULE, is_name
 from .engine.measure import now_iso
 from .engine.results import (
@@ -335,7 +336,7 @@ def stored_identity(run_dir: Path) -> dict | None:
     """The machine a run directory's records came from (its header's), or None if empty."""
     path = run_dir / RESULTS_FILE
     header = read_records(path).header if path.exists() else None
-    return machine_identity(header["env"]) if header else None
+    return machine_identity(header.env or {}) if header else None
 
 
 def _new_label(fleet_dir: Path, label: str, ident: dict) -> str:
@@ -383,7 +384,7 @@ def _consume(ray, state: NodeState, echo: Callable[[str], None]) -> None:
             elif not _store(ray, state, item, echo):
                 break
             elif kind == "measurement":
-                echo(f"[{label}] {progress_line(state, item)}")
+                echo(f"[{label}] {progress_line(state, state.writer.records.measurements[-1])}")
         if state.status == "running":
             state.status = "done"
     except Exception as exc:  # Ray's errors for a dead node, worker or cancelled task
@@ -418,14 +419,13 @@ def _store(ray, state: NodeState, item: dict, echo: Callable[[str], None]) -> bo
         return False
 
 
-def progress_line(state: NodeState, m: dict) -> str:
+def progress_line(state: NodeState, m: Measurement) -> str:
     """One node's progress: how many of its measurements are done, and the latest."""
     done = len(state.writer.records.measured_ids)
-    rate = m.get("decode_tok_s") or m.get("prefill_tok_s") or {}
-    what = "decode" if m.get("decode_tok_s") else "prefill"
-    threads = m.get("threads")
-    return (f"{done}/{state.total} measured · {m['model']} {m['dtype']} "
-            f"{threads} thread{'' if threads == 1 else 's'}: {what} "
+    rate = m.decode_tok_s or m.prefill_tok_s or {}
+    what = "decode" if m.decode_tok_s else "prefill"
+    return (f"{done}/{state.total} measured · {m.model} {m.dtype} "
+            f"{m.threads} thread{'' if m.threads == 1 else 's'}: {what} "
             f"{rate.get('median', 0):.1f} tok/s")
 
 

@@ -27,7 +27,7 @@ from .engine.env import available_ram_bytes, physical_cores
 from .engine.measure import now_iso, round_series
 from .engine.results import SCHEMA_VERSION, RunWriter
 from .engine.scenario import Measurement, ModelRef, Scenario
-from .report.analyze import analyze_records
+from .study.analyze import analyze_records
 from .weights.gguf_inspect import spec_from_gguf, tensor_table
 
 
@@ -64,8 +64,8 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
                  argv: list[str] | None = None,
                  prober_factory: ProberFactory | None = None) -> dict:
     """Measure every pending measurement, appending each record the moment it exists; probe
-    every ceiling before and after, the ones each round needs before it, and append the
-    analysis."""
+    every ceiling before and after, the ones each round needs before it; return the
+    analysis of what the run holds."""
     console = console or Console()
     _write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
@@ -81,9 +81,7 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
             for group in _groups(todo, writer, console):
                 _Rounds(group, writer, scenario, strict, files, prober, console).run()
             prober.full("after", threads)
-    analysis = analyze_records(writer.records)
-    writer.append(analysis)
-    return analysis
+    return analyze_records(writer.records)
 
 
 class _RunProber:
@@ -233,10 +231,10 @@ class _Rounds:
                                           {m.id: {m.phase} for m in todo}):
             self.partners.setdefault(a, []).append((b, phase))
             self.partners.setdefault(b, []).append((a, phase))
-        self.reps = {m.id: [r for r in writer.records.repetitions if r["id"] == m.id]
+        self.reps = {m.id: [r for r in writer.records.repetitions if r.id == m.id]
                      for m in todo}
         self.reload = any(m.model.in_twin_pair for m in todo)
-        self.spent_s = max((r.get("elapsed_s", 0.0) for r in writer.records.repetitions),
+        self.spent_s = max((r.elapsed_s for r in writer.records.repetitions),
                            default=0.0)
         self.clock = time.monotonic()
 
@@ -303,7 +301,7 @@ class _Rounds:
                 self.infos[key] = _model_record(self.writer, ref, path, self.models[key],
                                                 huge[key], threads)
                 self.pages[key] = self.prober.pages(path, dtypes,
-                                                    self.infos[key]["decode_type_n_bytes"])
+                                                    self.infos[key].decode_type_n_bytes)
         if self.reload:
             self.writer.append({"type": "load", "round": round_index, "order": keys,
                                 "recached": True, "huge_mapped_n_bytes": huge,
@@ -315,11 +313,11 @@ class _Rounds:
         repetitions goes on at its last round if a cell still lacks its repetition there
         (else the one after); a new group numbers on after every round the run has had, so
         cells of two RAM groups never share a round number (and are never paired)."""
-        rounds = [r["round"] for reps in self.reps.values() for r in reps]
+        rounds = [r.round for reps in self.reps.values() for r in reps]
         if not rounds:
-            return 1 + max((r["round"] for r in self.writer.records.rounds), default=-1), False
+            return 1 + max((r.round for r in self.writer.records.rounds), default=-1), False
         last = max(rounds)
-        missing = any(all(r["round"] != last for r in self.reps[m.id]) for m in active)
+        missing = any(all(r.round != last for r in self.reps[m.id]) for m in active)
         return (last if missing else last + 1), True
 
     def _round(self, round_index: int, active: list[Measurement]) -> None:
@@ -332,12 +330,12 @@ class _Rounds:
             phases.update(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
                                                                 or m.shared_prefix)) if on)
         self.prober.beside(round_index, needs)
-        if all(r["round"] != round_index for r in self.writer.records.rounds):  # not resumed
+        if all(r.round != round_index for r in self.writer.records.rounds):  # not resumed
             self.writer.append({"type": "round", "round": round_index, "order": order,
                                 "idle_other_cores": idle, "at": now_iso()})
         by_id = {m.id: m for m in active}
         for position, cell_id in enumerate(order):
-            if any(r["round"] == round_index for r in self.reps[cell_id]):
+            if any(r.round == round_index for r in self.reps[cell_id]):
                 continue  # done before an interruption: resume keeps it
             m = by_id[cell_id]
             try:
@@ -417,19 +415,19 @@ class _Rounds:
         from .engine.measure import make_record
 
         cell = self.cells.pop(m.id, None) or self._resumed_cell(m)
-        reps = [r["rep"] for r in self.reps[m.id]]
-        idle = [r["idle_other_cores"] for r in self.writer.records.rounds
-                if r["round"] in {x["round"] for x in self.reps[m.id]}]
+        reps = [r.rep for r in self.reps[m.id]]
+        idle = [r.idle_other_cores for r in self.writer.records.rounds
+                if r.round in {x.round for x in self.reps[m.id]}]
         during = [r.get("during_other_cores") for r in reps]
         reading = {"idle_other_cores": max((i for i in idle if i is not None), default=None),
                    "during_other_cores": max((d for d in during if d is not None), default=None)}
         run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
-               "span_seq": [self.reps[m.id][0]["seq"], self.reps[m.id][-1]["seq"]],
+               "span_seq": [self.reps[m.id][0].seq, self.reps[m.id][-1].seq],
                "ci_reached": ci, "target": self.scenario.target,
                "partners": [list(p) for p in self.partners.get(m.id, [])]}
         setup = cell.setup if cell else None  # missing: the model is not loaded now
         warmups = cell.warmups if cell else []
-        started = cell.started if cell else self.reps[m.id][0]["at"]
+        started = cell.started if cell else self.reps[m.id][0].at
         self.writer.append(make_record(m, self.infos[m.model.key], warmups, reps, setup,
                                        reading, started, run))
         self.console.advance(self.writer.records.measurements[-1])

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from . import __version__
 from .analysis.serving import level_roofline
+from .core import records as rectypes
 from .core.costs import model_costs
 from .core.errors import HarnessError, MeasurementError
+from .core.records import to_dict
 from .core.serving import RequestTiming, level_summary, steady_decode
 from .core.stats import ratio_summary
 from .engine.build import write_text_atomically
@@ -128,7 +130,7 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
         with RunWriter(out_dir, resume=resume, kind="serving") as writer:
             writer.keep_through(closes_unit)  # a level cut short is run again, whole
             writer.begin(_header(run, argv, url, server), argv)
-            done = {lv["level"] for lv in writer.records.other if closes_unit(lv)}
+            done = {lv.level for lv in finished_levels(writer.records) if closes_unit(lv)}
             yard = _yardstick(run) if server else None
             costs = _costs(run) if server else None
             if costs and not writer.records.models:
@@ -151,11 +153,11 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     return out_dir / "report.md"
 
 
-def closes_unit(record: dict) -> bool:
+def closes_unit(record) -> bool:
     """A serving run's unit of work is a level: it counts once its level record landed with
     the server alive to its end (the header and the model before the levels stay too)."""
-    return (record.get("type") in ("header", "model")
-            or (record.get("type") == "level" and record.get("complete", True)))
+    return (isinstance(record, (rectypes.Header, rectypes.Model))
+            or (isinstance(record, rectypes.Level) and record.complete))
 
 
 def check_out_dir(out_dir: Path, resume: bool) -> None:
@@ -174,13 +176,10 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
                                "choose another --out")
 
 
-def finished_levels(records: Records) -> list[dict]:
-    """A serving run's header, served model, ceiling probes and the records of every level it
-    finished (the records of a level cut short are not a level's)."""
-    kept = [r for r in records.other if r["type"] == "level"]
-    finished = {r["level"] for r in kept}
-    return ([records.header] + list(records.models.values()) + records.probes
-            + [r for r in records.other if r.get("level") in finished])
+def finished_levels(records: Records) -> list[rectypes.Level]:
+    """The level records of a serving run (a level cut short has none: its requests are not
+    a level's)."""
+    return records.of_type(rectypes.Level)
 
 
 def _costs(run: ServingRun) -> dict:
@@ -310,7 +309,7 @@ def _pinned(run: ServingRun, level: Level) -> bool:
 def _probe(roof: _Ceilings, writer: RunWriter, when: str) -> int:
     """Probe the ceilings now, write the record, and return its sequence number."""
     writer.append(roof.probe(when))
-    return writer.records.probes[-1]["seq"]
+    return writer.records.probes[-1].seq
 
 
 def _n_rounds(run: ServingRun, level: Level) -> int:
@@ -393,21 +392,21 @@ def load_serving_run(run_dir: Path) -> tuple[dict, list[dict]] | None:
     records = read_records(results)
     if run_kind(records.header) != "serving":
         return None
-    return records.header, with_roofline(records.header, finished_levels(records))
+    return to_dict(records.header), with_roofline(records)
 
 
-def with_roofline(header: dict, records: list[dict]) -> list[dict]:
-    """The level records, each with its roofline (analysis/serving.level_roofline) where the
-    run probed the ceilings of a model it served."""
-    model = next((r for r in records if r["type"] == "model"), None)
-    probes = [r for r in records if r["type"] == "probe"]
-    server = header.get("server") or {}
-    levels = [r for r in records if r["type"] == "level"]
-    if not model or "slots" not in server:
-        return levels
-    return [lv | {"roofline": level_roofline(lv, model, probes, header["workload"],
-                                             server["threads"], server["slots"])}
-            for lv in levels]
+def with_roofline(records: Records) -> list[dict]:
+    """The page's rows: each level record with its roofline (analysis/serving.level_roofline)
+    where the run probed the ceilings of a model it served."""
+    header = records.header
+    model = next(iter(records.models.values()), None)
+    server = header.server or {}
+    rows = []
+    for lv in finished_levels(records):
+        roof = (level_roofline(lv, model, records.probes, header.workload, server["threads"],
+                               server["slots"]) if model and "slots" in server else None)
+        rows.append(to_dict(lv) | {"seq": lv.seq} | ({"roofline": roof} if roof else {}))
+    return rows
 
 
 def rerender_serving(run_dir: Path) -> Path:

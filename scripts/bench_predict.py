@@ -51,13 +51,13 @@ class Config:
     def phase(self) -> str:
         return "prefill" if self.prompt else "decode"
 
-    def matches(self, m: dict) -> bool:
-        if (m["model"], m["dtype"]) != (self.model, self.dtype) or m.get("parallel", 1) != 1:
+    def matches(self, m) -> bool:
+        if (m.model, m.dtype) != (self.model, self.dtype) or m.parallel != 1:
             return False
         if self.prompt:
-            return m["n_gen"] == 0 and m["n_prompt"] == self.prompt
-        return (m["n_gen"] == GENERATE and m["n_prompt"] == PROMPT
-                and m.get("depth", 0) == self.depth and m.get("kv_type", "f16") == "f16")
+            return m.n_gen == 0 and m.n_prompt == self.prompt
+        return (m.n_gen == GENERATE and m.n_prompt == PROMPT
+                and m.depth == self.depth and m.kv_type == "f16")
 
     def __str__(self) -> str:
         tail = f" depth {self.depth:,}" if self.depth else ""
@@ -93,16 +93,17 @@ def compare(run: Path, train: list[Config], reference: Config, held: list[Config
     from harness.analysis.ceilings import round_rates
     from harness.analysis.estimates import estimate
     from harness.core.costs import mean_decode_context
+    from harness.core.records import Grouping
     from harness.core.specs import ModelSpec
     from harness.core.stats import center, contrast
-    from harness.report.analyze import analyze, with_ram_groups
     from harness.report.files import load_run
+    from harness.study.analyze import analyze, with_ram_groups
 
     _, records = load_run(run)
-    measurements = with_ram_groups(records.measurements, records.other)
-    held_ids = {m["id"] for m in measurements if any(c.matches(m) for c in held)}
-    train_ms = [m for m in measurements if m["id"] not in held_ids]
-    env = (records.header or {}).get("env") or {}
+    measurements = with_ram_groups(records.measurements, records.of_type(Grouping))
+    held_ids = {m.id for m in measurements if any(c.matches(m) for c in held)}
+    train_ms = [m for m in measurements if m.id not in held_ids]
+    env = records.header.env or {}
     mm = analyze(train_ms, records.models, records.probes, {}, records.rounds,
                  ram_bytes=env.get("ram_total_bytes"))["machine_model"]
     cells = {c: next((m for m in measurements if c.matches(m)), None)
@@ -116,13 +117,13 @@ def compare(run: Path, train: list[Config], reference: Config, held: list[Config
         if m is None or ref is None:
             print(f"{c!s:<36} not measured")
             continue
-        spec = ModelSpec(**records.models[f"{c.model}|{c.dtype}"]["spec"])
+        spec = ModelSpec(**records.models[f"{c.model}|{c.dtype}"].spec)
         if c.phase == "decode":
             context = c.depth + mean_decode_context(PROMPT, GENERATE)
-            e = estimate(mm, spec, c.dtype, threads=m["threads"], context=int(context))
+            e = estimate(mm, spec, c.dtype, threads=m.threads, context=int(context))
             predicted = e["decode_tok_s"]
         else:
-            e = estimate(mm, spec, c.dtype, threads=m["threads"], n_prompt=c.prompt)
+            e = estimate(mm, spec, c.dtype, threads=m.threads, n_prompt=c.prompt)
             predicted = e["prefill_tok_s"]
         phase = c.phase
         measured = contrast(round_rates(m, phase), round_rates(ref, phase))

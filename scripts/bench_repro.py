@@ -66,23 +66,24 @@ def absolutes(ra, rb) -> list[tuple]:
     """(cell, run 2 ÷ run 1, whether the unpaired interval covers 1) per cell of both."""
     from harness.core.stats import unpaired
 
-    theirs = {m["id"]: m for m in rb.measurements}
+    theirs = {m.id: m for m in rb.measurements}
     out = []
     for m in ra.measurements:
-        o = theirs.get(m["id"])
-        key = "decode_tok_s" if m["n_gen"] else "prefill_tok_s"
-        if not o or not m.get(key) or not o.get(key):
+        o = theirs.get(m.id)
+        key = "decode_tok_s" if m.n_gen else "prefill_tok_s"
+        if not o or not getattr(m, key) or not getattr(o, key):
             continue
-        r = unpaired(o[key], m[key])
+        r = unpaired(getattr(o, key), getattr(m, key))
         ci = r.get("median_ci95")
-        out.append((m["id"], r["ratio"], None if not ci else ci[0] <= 1 <= ci[1],
-                    _half(m[key]), _half(o[key]), m["repetitions"], o["repetitions"]))
+        out.append((m.id, r["ratio"], None if not ci else ci[0] <= 1 <= ci[1],
+                    _half(getattr(m, key)), _half(getattr(o, key)), m.repetitions,
+                    o.repetitions))
     return out
 
 
 def _elapsed(records) -> float | None:
     reps = records.repetitions
-    return max((r.get("elapsed_s", 0.0) for r in reps), default=None)
+    return max((r.elapsed_s for r in reps), default=None)
 
 
 def compare(runs: list[Path]) -> int:

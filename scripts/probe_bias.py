@@ -20,11 +20,11 @@ from harness.report.files import load_run  # noqa: E402
 FIGURES = (("stream", "gb_s"), ("compute", "gflop_s"))
 
 
-def figures(probes: list[dict], what: str, unit: str) -> dict:
+def figures(probes: list, what: str, unit: str) -> dict:
     """{(when, threads, type): [(median of passes, best pass, passes)]} of one figure."""
     out: dict = {}
     for p in probes:
-        for t, node in ((p.get("result") or {}).get("threads") or {}).items():
+        for t, node in ((p.result or {}).get("threads") or {}).items():
             for typ, f in (node.get("ggml") or {}).items():
                 xs = f.get(f"{what}_samples_{unit}")
                 if xs:

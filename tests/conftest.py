@@ -82,6 +82,22 @@ def measure_scenario(scenario: Path, tmp: Path):
     return plan, read_records(tmp / "run" / "results.jsonl")
 
 
+def measurement_record(**fields):
+    """A typed Measurement record (harness.core.records) with what a test leaves out filled."""
+    from harness.core.records import typed
+
+    base = {"type": "measurement", "id": "m", "model": "m", "model_key": "m|f32",
+            "dtype": "f32", "threads": 1, "n_prompt": 0, "n_gen": 0}
+    return typed(base | fields)
+
+
+def probe_record(**fields):
+    """A typed Probe record: a full probe before the measurements unless told otherwise."""
+    from harness.core.records import typed
+
+    return typed({"type": "probe", "when": "before"} | fields)
+
+
 def run_subprocess(*args: str, env: dict | None = None, timeout: float = 60) -> Result:
     """Run the real console entry point in a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True,

@@ -1,4 +1,5 @@
 import pytest
+from conftest import measurement_record, probe_record
 
 from harness.analysis import ceilings
 from harness.analysis.phases import fit_through_origin, fit_verdicts
@@ -98,11 +99,11 @@ def test_verdict_names_types_that_do_not_follow_their_bytes():
     assert fit_verdicts([_row("a", 1e9, 10.0)]) == []  # one size: no fit, no section
 
 
-def _probe(seq, threads, **ggml):
+def _probe(seq, threads, extra=None, **ggml):
     node = {"read_gb_s": 20.0 + seq, "read_samples_gb_s": [19.0 + seq, 20.0 + seq],
             "ggml": {t: {"stream_gb_s": v, "stream_samples_gb_s": [v, v * 0.98, v * 0.99],
                          "layout": "CPU"} for t, v in ggml.items()}}
-    return {"seq": seq, "result": {"threads": {str(threads): node}}}
+    return probe_record(seq=seq, result={"threads": {str(threads): node}}, **(extra or {}))
 
 
 def test_ceiling_near_uses_the_nearest_probes_that_measured_the_figure():
@@ -219,10 +220,10 @@ def test_a_share_is_taken_against_the_probe_of_its_own_round_and_thread_count():
     probes = []
     for rnd in range(3):
         for threads, gb_s in ((1, 10.0 + rnd), (2, 20.0 + rnd)):
-            p = _probe(10 * rnd + threads, threads, f32=gb_s)
-            probes.append(p | {"when": "beside", "round": rnd, "threads": [threads]})
-    m = {"threads": 1, "n_gen": 10, "parallel": 1, "ram_group": 0,
-         "samples": {"rounds": [0, 1, 2], "decode_s": [[1.0]] * 3}}
+            probes.append(_probe(10 * rnd + threads, threads, {
+                "when": "beside", "round": rnd, "threads": [threads]}, f32=gb_s))
+    m = measurement_record(threads=1, n_gen=10, samples={"rounds": [0, 1, 2],
+                                                          "decode_s": [[1.0]] * 3})
     share = ceilings.round_shares(m, "decode", {"f32": 100}, probes, "stream_gb_s", 1.0)
     # 10 tok/s x 1 GB against the median pass (0.99 x) of 10, 11, 12 GB/s at 1 thread
     expected = [10 / (0.99 * v) for v in (10.0, 11.0, 12.0)]

@@ -18,6 +18,7 @@ from harness.core.specs import resolve_spec
 from harness.core.stats import center
 from harness.report.page import render_markdown, report_data
 from harness.runner import Console
+from harness.study.analyze import analyze_records
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "moe.yaml"
 QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
@@ -63,16 +64,16 @@ def moe_run(tmp_path_factory):
 def test_the_moe_model_record_holds_its_experts_and_active_bytes(moe_run):
     model = moe_run.models["tiny-qwen3moe|f32"]
     spec = resolve_spec("tiny-qwen3moe")
-    experts = model["expert_n_bytes"]
+    experts = model.expert_n_bytes
     assert experts == 3 * spec.num_hidden_layers * spec.num_experts * 64 * 32 * 4
     embedding_but_one_row = (spec.vocab_size - 1) * spec.hidden_size * 4  # untied: a lookup
-    assert model["decode_weight_n_bytes"] == pytest.approx(
-        model["weights_n_bytes"] - embedding_but_one_row - experts + experts * 2 / 8, abs=8)
-    assert moe_run.models["tiny-qwen2|f32"]["expert_n_bytes"] == 0
+    assert model.decode_weight_n_bytes == pytest.approx(
+        model.weights_n_bytes - embedding_but_one_row - experts + experts * 2 / 8, abs=8)
+    assert moe_run.models["tiny-qwen2|f32"].expert_n_bytes == 0
 
 
 def test_report_shows_both_predictions_and_which_one_the_decode_follows(moe_run):
-    (a,) = moe_run.analyses
+    a = analyze_records(moe_run)
     rows = {r["model"]: r for r in a["experts"]}
     moe, dense = rows["tiny-qwen3moe"], rows["tiny-qwen2"]
     assert moe["experts"] == "2 of 8" and dense["experts"] == "dense"
@@ -89,7 +90,7 @@ def test_report_shows_both_predictions_and_which_one_the_decode_follows(moe_run)
 
 
 def test_batching_an_moe_model_is_set_against_the_union_of_experts(moe_run):
-    (a,) = moe_run.analyses
+    a = analyze_records(moe_run)
     rows = sorted((r for r in a["batching"] if r["model"] == "tiny-qwen3moe"),
                   key=lambda r: r["parallel"])
     assert [r["parallel"] for r in rows] == [1, 2, 4]
@@ -107,30 +108,30 @@ def test_the_run_records_which_experts_a_moe_models_tokens_picked(moe_run):
     from harness.levers.experts import experts_table, routing_rows
 
     spec = resolve_spec("tiny-qwen3moe")
-    moe = next(m for m in moe_run.models.values() if m["model"] == "tiny-qwen3moe")
-    dense = next(m for m in moe_run.models.values() if m["model"] == "tiny-qwen2")
-    assert dense["routing"] is None
-    layers = moe["routing"]["layers"]
+    moe = next(m for m in moe_run.models.values() if m.model == "tiny-qwen3moe")
+    dense = next(m for m in moe_run.models.values() if m.model == "tiny-qwen2")
+    assert dense.routing is None
+    layers = moe.routing["layers"]
     assert [r["layer"] for r in layers] == list(range(spec.num_hidden_layers))
-    assert all(r["decode_steps"] == moe["routing"]["n_decode"] for r in layers)
+    assert all(r["decode_steps"] == moe.routing["n_decode"] for r in layers)
     rows = routing_rows(moe_run.models)
     assert [r["model"] for r in rows] == ["tiny-qwen3moe"]
     assert rows[0]["experts"] == f"{spec.num_experts_per_tok} of {spec.num_experts}"
     tables = experts_table({"experts": [], "routing": rows})
     assert tables == []  # the routing table comes with the experts table only
     # a ubatch the size the run recorded reads the experts it recorded, not the expectation
-    n = moe["routing"]["n_prompt"]
+    n = moe.routing["n_prompt"]
     whole = [r for r in layers if r["prefill_tokens"] == n]
     share = sum(r["prefill_touched"] / r["n_experts"] for r in whole) / len(whole)
     k_of_e = spec.num_experts_per_tok / spec.num_experts
     assert prefill_weight_n_bytes(moe, spec, n, n) == pytest.approx(
-        moe["decode_weight_n_bytes"] + moe["expert_n_bytes"] * (share - k_of_e))
+        moe.decode_weight_n_bytes + moe.expert_n_bytes * (share - k_of_e))
     # a shorter ubatch reads what windows of that many consecutive prefill tokens touched
     windows = [dict(r["prefill_windows"])[4] / r["n_experts"] for r in whole]
     assert prefill_weight_n_bytes(moe, spec, 4, 4) == pytest.approx(
-        moe["decode_weight_n_bytes"] + moe["expert_n_bytes"] * (
+        moe.decode_weight_n_bytes + moe.expert_n_bytes * (
             sum(windows) / len(windows) - k_of_e))
     # a longer one than the run recorded: the expectation with every token picking uniformly
-    expected = step_weight_n_bytes(moe["decode_weight_n_bytes"], moe["expert_n_bytes"], spec,
+    expected = step_weight_n_bytes(moe.decode_weight_n_bytes, moe.expert_n_bytes, spec,
                                    n + 7)
     assert prefill_weight_n_bytes(moe, spec, n + 7, n + 7) == pytest.approx(expected)

@@ -67,11 +67,10 @@ def test_node_run_streams_records_that_make_a_local_run(tmp_path, monkeypatch):
     local = tmp_path / "local"
     assert runner_local(local) == 0
     plain = read_records(local / "results.jsonl")
-    assert [m["id"] for m in streamed.measurements] == [m["id"] for m in plain.measurements]
-    kinds = lambda r: sorted({x.get("type") for x in [r.header, *r.measurements, *r.probes,  # noqa: E731
-                                                       *r.analyses, *r.repetitions]})
+    assert [m.id for m in streamed.measurements] == [m.id for m in plain.measurements]
+    kinds = lambda r: sorted({type(x).__name__ for x in [  # noqa: E731
+        r.header, *r.measurements, *r.probes, *r.rounds, *r.repetitions, *r.other]})
     assert kinds(streamed) == kinds(plain)
-    assert set(streamed.measurements[0]) == set(plain.measurements[0])
 
 
 IDENTITY = {"hostname": "lab", "machine_id": "5f0c2b1e9d3a4c77", "cpu_model": "EPYC",
@@ -95,7 +94,7 @@ def test_a_machine_is_known_by_host_cpu_cores_ram_and_ggml():
 def _stored_header(run_dir: Path, identity: dict) -> None:
     env = identity | {"llama": {"ggml_commit": identity["ggml_commit"]}}
     run_dir.mkdir(parents=True)
-    header = {"type": "header", "scenario": {}, "env": env}
+    header = {"type": "header", "kind": "measurement", "scenario": {}, "env": env}
     (run_dir / "results.jsonl").write_text(json.dumps(header) + "\n")
 
 
@@ -147,7 +146,7 @@ def test_a_failed_append_cancels_the_node_task_and_keeps_what_was_written(tmp_pa
         real(record)
 
     monkeypatch.setattr(writer, "append", append)
-    items = [{"type": "header", "scenario": {}, "n": 1},
+    items = [{"type": "header", "kind": "measurement", "scenario": {}, "argv": ["n"]},
              {"type": "repetition", "id": "x", "round": 0, "rep": {}},
              {"type": "repetition", "id": "y"}]
     task = iter(items)
@@ -161,8 +160,8 @@ def test_a_failed_append_cancels_the_node_task_and_keeps_what_was_written(tmp_pa
     assert said == [f"[lab-0] failed: {state.error}; the other nodes go on"]
     assert calls == ["header", "repetition", "node_failure"]  # nothing after the failure
     kept = read_records(tmp_path / "lab-0" / "results.jsonl")
-    assert kept.header["n"] == 1
-    assert [r["type"] for r in kept.other] == ["node_failure"]
+    assert kept.header.argv == ["n"]
+    assert [type(r).__name__ for r in kept.other] == ["NodeFailure"]
 
 
 def runner_local(out: Path) -> int:

@@ -374,7 +374,7 @@ def test_a_serving_results_file_cut_short_keeps_its_finished_levels(tmp_path):
     text = "\n".join(json.dumps(x) for x in lines) + "\n"
     results.write_text(text + '{"type": "level", "lev')
     kept = finished_levels(read_records(results))
-    assert [r["type"] for r in kept] == ["header", "request", "level"]
+    assert [r.level for r in kept] == ["c1"]
     with RunWriter(tmp_path, resume=True, kind="serving") as writer:
         writer.keep_through(closes_unit)  # c2's request and the cut line go
     assert results.read_text() == "\n".join(json.dumps(x) for x in lines[:3]) + "\n"

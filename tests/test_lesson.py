@@ -3,13 +3,16 @@
 import re
 
 import pytest
+from conftest import measurement_record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.core.reference import CLAIM_TESTS, check_claims
+from harness.core.records import typed
+from harness.core.reference import CLAIM_TESTS
 from harness.levers.batching import _batching_note
 from harness.levers.threads import _knee_note
 from harness.report.findings import findings
+from harness.study.claims import check_claims
 
 DRIFT = [1.0, 0.8, 1.1, 0.95, 1.2, 0.9, 1.05, 0.85, 1.0]  # the machine's, shared
 NOISE = [0.01, -0.01, 0.005, -0.005, 0.0, 0.01, -0.01, 0.005, -0.005]  # each cell's own
@@ -196,11 +199,11 @@ def test_lesson_page_matches_golden_and_its_numbers_follow_from_the_samples():
     assert "## The lesson's claims, checked on this machine" in sections
     # the side-by-side table: each prefill row's tok/s is the median of its raw samples
     for m in records.measurements:
-        if m["model"] == "tiny-qwen2" and m["dtype"] == "f32" and not m["n_gen"] \
-                and m.get("parallel", 1) == 1:
-            rate = statistics.median(m["n_prompt"] / s for s in m["samples"]["prefill_s"])
+        if m.model == "tiny-qwen2" and m.dtype == "f32" and not m.n_gen \
+                and m.parallel == 1:
+            rate = statistics.median(m.n_prompt / s for s in m.samples["prefill_s"])
             row = next(line for line in text.splitlines()
-                       if line.startswith(f"| prefill | {m['n_prompt']:,} prompt tokens"))
+                       if line.startswith(f"| prefill | {m.n_prompt:,} prompt tokens"))
             assert f"| {rate:.2f} (" in row
     assert "no fit" not in text
 
@@ -224,15 +227,16 @@ def test_stability_finds_two_regimes_and_disturbed_rounds():
     from harness.analysis.machine import stability
 
     reads = [[30.0, 31.0]] * 6 + [[48.0, 50.0]] * 4
-    m = {"samples": {"read_gb_s": reads}}
-    rounds = [{"round": i, "idle_other_cores": 0.5 if i == 3 else 0.0} for i in range(10)]
+    m = measurement_record(samples={"read_gb_s": reads})
+    rounds = [typed({"type": "round", "round": i, "idle_other_cores": 0.5 if i == 3 else 0.0})
+              for i in range(10)]
     st_ = stability([m], rounds, noisy_cores=0.1)
     assert st_["n_reads"] == 20 and st_["disturbed_rounds"] == [3]
     (slow, fast) = st_["regimes"]
     # medians on the log scale: the geometric mean of the two middle values
     assert slow["median_gb_s"] == pytest.approx(30.5, rel=1e-3) and slow["share"] == 0.6
     assert fast["median_gb_s"] == pytest.approx(49.0, rel=1e-3) and fast["share"] == 0.4
-    steady = stability([{"samples": {"read_gb_s": [[30.0, 31.0]] * 10}}], [], 0.1)
+    steady = stability([measurement_record(samples={"read_gb_s": [[30.0, 31.0]] * 10})], [], 0.1)
     assert "regimes" not in steady
 
 

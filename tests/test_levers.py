@@ -7,14 +7,16 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import measure_scenario
+from conftest import measure_scenario, measurement_record
 
 from harness import runner
 from harness.core.costs import kv_n_bytes_per_token
+from harness.core.records import typed
 from harness.core.specs import ModelSpec
 from harness.levers.quant import composition
 from harness.levers.threads import _thread_group
 from harness.report.page import render_markdown, report_data
+from harness.study.analyze import analyze_records
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "levers.yaml"
 
@@ -25,37 +27,37 @@ def levers_run(tmp_path_factory):
 
 
 def _by_kind(records, kind):
-    return [m for m in records.measurements if m["kind"] == kind]
+    return [m for m in records.measurements if m.kind == kind]
 
 
 def test_every_planned_measurement_is_recorded_without_failures(levers_run):
     plan, records = levers_run
     assert not records.failures
-    assert [m["id"] for m in records.measurements] == [m.id for m in
+    assert [m.id for m in records.measurements] == [m.id for m in
                                                        runner.pending(plan, set())]
-    assert {m["kind"] for m in records.measurements} == {"single", "batched", "prefix_cache"}
+    assert {m.kind for m in records.measurements} == {"single", "batched", "prefix_cache"}
 
 
 def test_depth_is_filled_untimed_and_each_repetition_decodes_from_it(levers_run):
     _, records = levers_run
-    deep = [m for m in records.measurements if m["depth"]]
-    assert {(m["depth"], m["kv_type"]) for m in deep} == {(64, "f16"), (64, "q8_0")} and \
-        all(m["id"].split("|")[9] == "d64" for m in deep)
+    deep = [m for m in records.measurements if m.depth]
+    assert {(m.depth, m.kv_type) for m in deep} == {(64, "f16"), (64, "q8_0")} and \
+        all(m.id.split("|")[9] == "d64" for m in deep)
     for m in deep:
-        assert m["setup"]["depth_fill_s"] > 0
-        assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
+        assert m.setup["depth_fill_s"] > 0
+        assert [len(d) for d in m.samples["decode_s"]] == [m.n_gen] * m.repetitions
         # the depth-0 baseline decoded beside every repetition, and the paired ratio
-        baseline = m["samples"]["baseline_decode_s"]
-        assert [len(b) for b in baseline] == [m["n_gen"]] * m["repetitions"]
-        ratios = [sum(d) / sum(b) for d, b in zip(m["samples"]["decode_s"], baseline,
+        baseline = m.samples["baseline_decode_s"]
+        assert [len(b) for b in baseline] == [m.n_gen] * m.repetitions
+        ratios = [sum(d) / sum(b) for d, b in zip(m.samples["decode_s"], baseline,
                                                     strict=True)]
         geometric = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        assert m["paired_slowdown"]["ratio"] == pytest.approx(geometric)
-        assert len(m["warmup_samples"]["baseline_decode_s"]) == m["warmup"]
-        for perf in m["samples"]["perf"]:
+        assert m.paired_slowdown["ratio"] == pytest.approx(geometric)
+        assert len(m.warmup_samples["baseline_decode_s"]) == m.warmup
+        for perf in m.samples["perf"]:
             # the counters were reset after the fill: only the timed decode is in them
             # (llama_perf_context reports a count of 0 as 1)
-            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] <= 1
+            assert perf["n_eval"] == m.n_gen and perf["n_p_eval"] <= 1
 
 
 def test_every_context_is_the_one_its_id_names(levers_run):
@@ -67,14 +69,14 @@ def test_every_context_is_the_one_its_id_names(levers_run):
     planned = {m.id: m for m in plan.measurements}
     assert len(records.measurements) == len(planned)
     for r in records.measurements:
-        m = planned[r["id"]]
-        assert f"|ctx{r['n_ctx']}|" in r["id"] and r["n_ctx"] % 256 == 0
-        assert r["n_ctx"] >= m.n_cells_needed and r["n_ctx"] - m.n_cells_needed < 256
-        shares = 1 if r["kind"] == "prefix_cache" else r["n_seq_max"]
-        assert (r["n_ctx_total"], r["n_seq_max"]) == (r["n_ctx"] * shares, m.n_seq_max)
-        assert r["setup"]["n_batch_used"] == min(r["n_ctx_total"], r["n_batch"])
-        assert r["setup"]["n_ubatch_used"] == min(r["setup"]["n_batch_used"], r["n_ubatch"])
-    kinds = {(r["kind"], bool(r["depth"])) for r in records.measurements}
+        m = planned[r.id]
+        assert f"|ctx{r.n_ctx}|" in r.id and r.n_ctx % 256 == 0
+        assert r.n_ctx >= m.n_cells_needed and r.n_ctx - m.n_cells_needed < 256
+        shares = 1 if r.kind == "prefix_cache" else r.n_seq_max
+        assert (r.n_ctx_total, r.n_seq_max) == (r.n_ctx * shares, m.n_seq_max)
+        assert r.setup["n_batch_used"] == min(r.n_ctx_total, r.n_batch)
+        assert r.setup["n_ubatch_used"] == min(r.setup["n_batch_used"], r.n_ubatch)
+    kinds = {(r.kind, bool(r.depth)) for r in records.measurements}
     assert kinds >= {("single", False), ("single", True), ("batched", False),
                      ("prefix_cache", False)}
 
@@ -82,39 +84,39 @@ def test_every_context_is_the_one_its_id_names(levers_run):
 def test_kv_cache_type_is_in_the_id_only_when_not_the_default(levers_run):
     _, records = levers_run
     for m in records.measurements:
-        assert ("kv-q8_0" in m["id"]) == (m["kv_type"] == "q8_0")
-        assert ("|np" in m["id"]) == (m["parallel"] > 1)
+        assert ("kv-q8_0" in m.id) == (m.kv_type == "q8_0")
+        assert ("|np" in m.id) == (m.parallel > 1)
 
 
 def test_batched_decode_counts_every_sequence(levers_run):
     _, records = levers_run
     batched = _by_kind(records, "batched")
-    assert sorted({m["parallel"] for m in batched}) == [2, 4]
+    assert sorted({m.parallel for m in batched}) == [2, 4]
     for m in batched:
-        b = m["parallel"]
-        assert m["decode_tok_s"]["mean"] == pytest.approx(b * m["per_sequence_tok_s"]["mean"])
-        assert [len(d) for d in m["samples"]["decode_s"]] == [m["n_gen"]] * m["repetitions"]
-        for perf in m["samples"]["perf"]:
+        b = m.parallel
+        assert m.decode_tok_s["mean"] == pytest.approx(b * m.per_sequence_tok_s["mean"])
+        assert [len(d) for d in m.samples["decode_s"]] == [m.n_gen] * m.repetitions
+        for perf in m.samples["perf"]:
             # every batch of more than one token counts as prompt eval in llama.cpp
-            assert perf["n_p_eval"] == b * (m["n_prompt"] + m["n_gen"]) and perf["n_eval"] <= 1
+            assert perf["n_p_eval"] == b * (m.n_prompt + m.n_gen) and perf["n_eval"] <= 1
 
 
 def test_prefix_cache_times_three_ways_to_the_first_token(levers_run):
     _, records = levers_run
     (m, *_) = _by_kind(records, "prefix_cache")
-    assert set(m["ttft_reuse_s"]) == {"seq_copy", "state_restore"}
-    for samples in m["samples"]["reuse_s"].values():
-        assert len(samples) == m["repetitions"] and all(s > 0 for s in samples)
-    spec = ModelSpec(**records.models[m["model_key"]]["spec"])
-    kv = kv_n_bytes_per_token(spec) * m["shared_prefix"]
-    assert kv <= m["setup"]["state_n_bytes"] < 1.5 * kv  # the state is the prefix's K and V
-    assert m["prefill_tok_s"]["max"] == pytest.approx(
-        (m["shared_prefix"] + m["n_prompt"]) / min(m["samples"]["prefill_s"]))
+    assert set(m.ttft_reuse_s) == {"seq_copy", "state_restore"}
+    for samples in m.samples["reuse_s"].values():
+        assert len(samples) == m.repetitions and all(s > 0 for s in samples)
+    spec = ModelSpec(**records.models[m.model_key].spec)
+    kv = kv_n_bytes_per_token(spec) * m.shared_prefix
+    assert kv <= m.setup["state_n_bytes"] < 1.5 * kv  # the state is the prefix's K and V
+    assert m.prefill_tok_s["max"] == pytest.approx(
+        (m.shared_prefix + m.n_prompt) / min(m.samples["prefill_s"]))
 
 
 def test_lever_analysis_is_consistent(levers_run):
     _, records = levers_run
-    (a,) = records.analyses
+    a = analyze_records(records)
     assert {r["dtype"] for r in a["quant"]} == {"f32", "q8_0"}
     for r in a["quant"]:
         assert sum(r["params_share"].values()) == pytest.approx(1.0)
@@ -130,7 +132,7 @@ def test_lever_analysis_is_consistent(levers_run):
         assert r["users_8"] - r["users_1"] == pytest.approx(7 * r["kv_per_user"])
     for r in a["batching"]:
         model = records.models[f"{r['model']}|{r['dtype']}"]
-        assert r["weight_n_bytes_per_token"] * r["parallel"] == model["decode_weight_n_bytes"]
+        assert r["weight_n_bytes_per_token"] * r["parallel"] == model.decode_weight_n_bytes
         assert (r["speedup"] == 1.0) == (r["parallel"] == 1)
     assert {r["parallel"] for r in a["batching"]} == {1, 2, 4}
     assert {(r["phase"], r["threads"]) for r in a["threads"]} == {("prefill", 1),
@@ -147,7 +149,7 @@ def test_lever_analysis_is_consistent(levers_run):
 
 def test_report_has_every_lever_section(levers_run):
     _, records = levers_run
-    (a,) = records.analyses
+    a = analyze_records(records)
     plots = ["quant_speedup.png", "kv_depth.png", "batching.png", "threads.png",
              "prefix_cache.png"]
     text = render_markdown(report_data(records, a), plots)
@@ -162,13 +164,12 @@ def test_report_has_every_lever_section(levers_run):
 
 def test_knee_is_the_fewest_threads_within_two_percent_of_the_best():
     def rec(threads, tok):
-        return {"id": threads, "threads": threads, "seq": threads, "model": "m",
-                "dtype": "f32", "n_prompt": 8, "n_gen": 0,
-                "prefill_tok_s": {"median": tok, "n": 3}, "flags": []}
+        return measurement_record(id=f"t{threads}", threads=threads, seq=threads, n_prompt=8,
+                                  prefill_tok_s={"median": tok, "n": 3})
 
     group = [rec(4, 19.1), rec(1, 10.0), rec(2, 18.9), rec(3, 19.2)]
     peaks = {1: 50.0, 2: 95.0, 3: 140.0, 4: 180.0}
-    by_id = {(t, "prefill"): ({}, 0.5, {"value": peak}) for t, peak in peaks.items()}
+    by_id = {(f"t{t}", "prefill"): ({}, 0.5, {"value": peak}) for t, peak in peaks.items()}
     rows = _thread_group("prefill", "prefill_tok_s", group, by_id)
     assert [r["threads"] for r in rows] == [1, 2, 3, 4]
     assert {r["knee_threads"] for r in rows} == {2} and [r["knee"] for r in rows] == \
@@ -179,8 +180,9 @@ def test_knee_is_the_fewest_threads_within_two_percent_of_the_best():
 
 
 def test_composition_reads_bits_per_weight_from_the_tensor_table():
-    model = {"tensor_type_n_params": {"Q4_K": 900, "Q6_K": 100},
-             "tensor_type_n_bytes": {"Q4_K": 900 * 144 // 256, "Q6_K": 100 * 210 // 256}}
+    model = typed({"type": "model", "key": "m|q4_k_m",
+                   "tensor_type_n_params": {"Q4_K": 900, "Q6_K": 100},
+                   "tensor_type_n_bytes": {"Q4_K": 900 * 144 // 256, "Q6_K": 100 * 210 // 256}})
     c = composition(model)
     assert c["bits_per_weight"] == pytest.approx(8 * (506 + 82) / 1000)
     assert c["params_share"] == {"Q4_K": 0.9, "Q6_K": 0.1}
@@ -202,7 +204,7 @@ def test_lever_plot_titles_state_the_measured_finding(levers_run):
     from harness.levers.quant import quant_finding
 
     _, records = levers_run
-    (a,) = records.analyses
+    a = analyze_records(records)
     deep = max(a["kv_depth"], key=lambda r: (r["depth"], r["measured_slowdown"]["median"]))
     assert kv_finding(a["kv_depth"]).startswith(f"At {deep['depth']:,} cached tokens")
     assert f"{deep['measured_slowdown']['median']:.2f}× slower" in kv_finding(a["kv_depth"])

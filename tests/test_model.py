@@ -5,11 +5,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import probe_record
 
 from harness.analysis import estimates, model
 from harness.analysis.model import int_keys
 from harness.core.costs import attention_flops, decode_n_bytes_by_row_width, prefill_flops
 from harness.core.dtypes import DTYPES
+from harness.core.records import typed
 from harness.core.specs import resolve_spec
 from harness.weights.gguf_build import table_from_plan
 
@@ -37,22 +39,23 @@ def _full_probe(threads=2, stream=None, compute=None, attention=None, fixed=None
     for arch, by_layers in (fixed or {}).items():
         node["fixed_cost"][arch] = {str(n): {"seconds": s, "samples_seconds": [s] * 3}
                                     for n, s in by_layers.items()}
-    return {"type": "probe", "when": "before", "seq": 0, "result": {"threads": {str(threads):
-                                                                                node}}}
+    return probe_record(seq=0, result={"threads": {str(threads): node}})
 
 
 def _decode_row(name, n_bytes, seconds_by_round, dtype="f32", threads=2):
     rates = [[[0, r], 1 / s] for r, s in enumerate(seconds_by_round)]
     median = float(np.median([1 / s for s in seconds_by_round]))
-    return {"id": f"{name}|{dtype}", "model": name, "dtype": dtype, "threads": threads,
+    return {"id": f"{name}|{dtype}", "model": name, "model_key": f"{name}|{dtype}",
+            "dtype": dtype, "threads": threads,
             "n_prompt": 16, "n_gen": 64, "bytes_per_token": n_bytes, "moe": False,
             "tok_s": {"n": len(rates), "median": median}, "round_rates": rates,
             "stream_ceiling": {"value": 40.0}}
 
 
 def _models(*names, dtype="f32"):
-    return {f"{n}|{dtype}": {"spec": dataclasses.asdict(dataclasses.replace(SPEC, name=n)),
-                             "decode_weight_n_bytes": 1e9, "weights_n_bytes": 1.2e9}
+    return {f"{n}|{dtype}": typed({"type": "model", "key": f"{n}|{dtype}", "model": n,
+                                   "spec": dataclasses.asdict(dataclasses.replace(SPEC, name=n)),
+                                   "decode_weight_n_bytes": 10**9, "weights_n_bytes": 12 * 10**8})
             for n in names}
 
 
@@ -183,7 +186,8 @@ def test_the_prefill_model_splits_matrices_from_attention():
         a = attention_flops(spec, n)
         return (prefill_flops(spec, n) - a - LM_HEAD) / (mm_rate * 1e9) + a / (attn_rate * 1e9)
 
-    rows = [{"id": f"pp{n}", "model": "m", "dtype": "f32", "threads": 2, "n_prompt": n,
+    rows = [{"id": f"pp{n}", "model": "m", "model_key": "m|f32", "dtype": "f32", "threads": 2,
+             "n_prompt": n,
              "n_gen": 0, "n_ubatch": 512, "seconds": seconds(n), "gflop_s": prefill_flops(spec, n) /
              seconds(n) / 1e9, "compute_peak": {"value": 300.0}} for n in (128, 1024, 4096)]
     ceil = {2: {"attention": {"64x14x2": {"value": attn_rate}}}}
@@ -213,7 +217,8 @@ def test_a_narrow_ubatch_runs_the_matrices_at_the_probed_narrow_rate():
         rate = narrow if n <= 128 else wide  # 1,024 tokens: two ubatches of 512
         return matrices / (rate * 1e9) + attention_flops(spec, n) / (attn * 1e9)
 
-    rows = [{"id": f"pp{n}", "model": "m", "dtype": "f32", "threads": 2, "n_prompt": n,
+    rows = [{"id": f"pp{n}", "model": "m", "model_key": "m|f32", "dtype": "f32", "threads": 2,
+             "n_prompt": n,
              "n_gen": 0, "n_ubatch": 512, "seconds": seconds(n), "gflop_s": 1.0,
              "compute_peak": {"value": 300.0}} for n in (128, 1024)]
     ceil = {2: {"attention": {"64x14x2": {"value": attn}}, "compute": {"f32": {"value": 300.0}},

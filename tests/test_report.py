@@ -7,6 +7,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+import msgspec
 import pytest
 from scipy.stats import t as t_dist
 
@@ -61,19 +62,19 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
                                                   "Decode against model size")}
     assert len(rows) == 4
     for m in records.measurements:
-        if not m["n_gen"]:
+        if not m.n_gen:
             continue
-        model = records.models[m["model_key"]]
-        rates = [m["n_gen"] / sum(d) for d in m["samples"]["decode_s"]]
+        model = records.models[m.model_key]
+        rates = [m.n_gen / sum(d) for d in m.samples["decode_s"]]
         rate = statistics.median(rates)
-        n_bytes = model["decode_weight_n_bytes"] + model["kv_n_bytes_per_token_f16"] * \
-            mean_decode_context(m["n_prompt"], m["n_gen"])
+        n_bytes = model.decode_weight_n_bytes + model.kv_n_bytes_per_token_f16 * \
+            mean_decode_context(m.n_prompt, m.n_gen)
         effective = rate * n_bytes / 1e9
-        times = sum(n / ceiling_near(records.probes, span(m), m["threads"],
+        times = sum(n / ceiling_near(records.probes, span(m), m.threads,
                                      ("ggml", t, "stream_gb_s"))["value"]
-                    for t, n in model["decode_type_n_bytes"].items())
-        stream = sum(model["decode_type_n_bytes"].values()) / times
-        row = rows[(m["model"], m["dtype"])]
+                    for t, n in model.decode_type_n_bytes.items())
+        stream = sum(model.decode_type_n_bytes.values()) / times
+        row = rows[(m.model, m.dtype)]
         assert row[6].startswith(f"{rate:.2f} (")
         # 3 repetitions: median ± t(0.975, 2) · √(π/2) · sd / √3 of the log rates
         logs = [math.log(x) for x in rates]
@@ -83,14 +84,14 @@ def test_decode_table_numbers_follow_from_the_raw_samples():
         assert row[7] == f"{1000 / rate:.1f} ({1000 / hi:.1f}–{1000 / lo:.1f})"  # inverse
         assert row[8] == f"{effective:.1f}" and row[9] == f"{stream:.1f}"
         # the share, round by round: each repetition ÷ the ceiling probed before its round
-        beside = {p["round"]: p for p in records.probes if p.get("when") == "beside"}
+        beside = {p.round: p for p in records.probes if p.when == "beside"}
         shares = []
-        for rnd, d in zip(m["samples"]["rounds"], m["samples"]["decode_s"], strict=True):
-            t_s = sum(n / ceiling_near([beside[rnd]], beside[rnd]["seq"] + 1, m["threads"],
+        for rnd, d in zip(m.samples["rounds"], m.samples["decode_s"], strict=True):
+            t_s = sum(n / ceiling_near([beside[rnd]], beside[rnd].seq + 1, m.threads,
                                         ("ggml", t, "stream_gb_s"))["value"]
-                      for t, n in model["decode_type_n_bytes"].items())
-            shares.append(m["n_gen"] / sum(d) * n_bytes / 1e9 * t_s
-                          / sum(model["decode_type_n_bytes"].values()))
+                      for t, n in model.decode_type_n_bytes.items())
+            shares.append(m.n_gen / sum(d) * n_bytes / 1e9 * t_s
+                          / sum(model.decode_type_n_bytes.values()))
         share = math.exp(statistics.fmean(math.log(x) for x in shares))
         assert row[10].startswith(f"{share:.0%} (")
 
@@ -182,12 +183,13 @@ def test_compare_never_pairs_cells_run_at_other_contexts():
     _, full = load_run(RUNS / "tiny")
     _, other = load_run(RUNS / "tiny")
     first = other.measurements[0]
-    base, _, rest = first["id"].partition("|pp")
-    first["id"] = f"{base}|ctx512|pp{rest}"
+    base, _, rest = first.id.partition("|pp")
+    other.measurements[0] = msgspec.structs.replace(first, id=f"{base}|ctx512|pp{rest}")
     _, mine = load_run(RUNS / "tiny")
-    mine.measurements[0]["id"] = f"{base}|ctx256|pp{rest}"
+    mine.measurements[0] = msgspec.structs.replace(mine.measurements[0],
+                                                   id=f"{base}|ctx256|pp{rest}")
     c = compare_runs([("mine", mine), ("other", other), ("old", full)])
-    row = next(r for r in c["rows"] if r["id"] == mine.measurements[0]["id"])
+    row = next(r for r in c["rows"] if r["id"] == mine.measurements[0].id)
     assert [o["summary"] for o in row["others"]] == [None, None]
     assert [o["other_context"] for o in row["others"]] == ["n_ctx 512", "n_ctx not recorded"]
     text = render_compare_markdown(c)

@@ -2,9 +2,11 @@
 floors, which binds, where they meet, and a serving level set against it."""
 
 import pytest
+from conftest import probe_record
 
 from harness.analysis.serving import level_roofline
 from harness.core.costs import decode_bound, decode_flops_per_token, model_costs
+from harness.core.records import typed
 from harness.core.specs import resolve_spec
 from harness.report.serving import roofline_findings, roofline_table
 
@@ -26,18 +28,18 @@ def _probe(seq: int, stream_gb_s: float, compute_gflop_s: float) -> dict:
     figures = {"stream_gb_s": stream_gb_s, "stream_samples_gb_s": [stream_gb_s] * 3,
                "compute_gflop_s": compute_gflop_s,
                "compute_samples_gflop_s": [compute_gflop_s] * 3}
-    return {"type": "probe", "seq": seq, "result": {"threads": {"1": {"ggml": {
-        "f16": figures}}}}}
+    return probe_record(seq=seq, result={"threads": {"1": {"ggml": {"f16": figures}}}})
 
 
-def _model() -> dict:
+def _model():
     from harness.core.costs import TensorEntry
     from harness.core.specs import tensor_plan
 
     spec = resolve_spec("tiny-llama")
     table = [TensorEntry(t.name, tuple(t.shape), "F16", 2 * _n(t.shape)) for t in
              tensor_plan(spec)]
-    return {"type": "model", "spec": spec.to_dict(), **model_costs(table, spec)}
+    return typed({"type": "model", "key": "served", "spec": spec.to_dict(),
+                  **model_costs(table, spec)})
 
 
 def _n(shape) -> int:
@@ -69,10 +71,10 @@ def test_a_serving_level_against_the_bound_round_by_round():
     probes = [_probe(seq, gb_s, 100.0) for seq, gb_s in zip((1, 3, 5, 7), streams, strict=True)]
     context = 8 + (4 + 1) / 2
     flops = decode_flops_per_token(spec, context)
-    kv = model["kv_n_bytes_per_token_f16"] * context
+    kv = model.kv_n_bytes_per_token_f16 * context
 
     def bound(gb_s: float) -> float:
-        return decode_bound(model["decode_weight_n_bytes"], kv, flops, 1, gb_s, 100.0).tok_s
+        return decode_bound(model.decode_weight_n_bytes, kv, flops, 1, gb_s, 100.0).tok_s
 
     # each round's bound from the probes either side (their passes pooled: the geometric
     # mean of two equal-pass medians); served at 50, 60 and 70% of it
@@ -80,7 +82,7 @@ def test_a_serving_level_against_the_bound_round_by_round():
     per_round = [{"served_tok_s": f * b, "inprocess_tok_s": 0.9 * b}
                  for f, b in zip((0.5, 0.6, 0.7), bounds, strict=True)]
     level = _level(1, 1000.0, [1, 3, 5, 7], [1.0, 1.0, 1.0, 1.0], per_round)
-    roof = level_roofline(level, model, probes, WORKLOAD, threads=1, slots=2)
+    roof = level_roofline(typed(level), model, probes, WORKLOAD, threads=1, slots=2)
     assert roof["limiter"] == "memory bandwidth"
     assert roof["served_share"] == pytest.approx((0.5 * 0.6 * 0.7) ** (1 / 3))
     stat = roof["served_share_stat"]
@@ -90,22 +92,24 @@ def test_a_serving_level_against_the_bound_round_by_round():
     # the table's bound pools every probe of the level
     assert roof["stream"]["value"] == pytest.approx((12.0 * 14.0) ** 0.5)
     assert roof["memory_s"] == pytest.approx(
-        (model["decode_weight_n_bytes"] + kv) / (roof["stream"]["value"] * 1e9))
+        (model.decode_weight_n_bytes + kv) / (roof["stream"]["value"] * 1e9))
     assert roof["compute_s"] == pytest.approx(flops / 100e9)
     assert roof["bound_tok_s"] == pytest.approx(1 / max(roof["memory_s"], roof["compute_s"]))
     assert roof["prefill"]["prompt_s"] == pytest.approx(0.003)  # the median prompt_ms
     # a level of one round: its steady window over the level's bound
-    single = level_roofline(_level(1, 1000.0, [1, 3]), model, probes, WORKLOAD, 1, 2)
+    single = level_roofline(typed(_level(1, 1000.0, [1, 3])), model, probes, WORKLOAD, 1, 2)
     assert single["served_share"] == pytest.approx(1000 / single["bound_tok_s"])
     assert single["served_share_stat"] is None
     # an open loop has no steady number of sequences: no bound
-    open_loop = {"concurrency": None, "probe_seqs": [1, 3]}
+    open_loop = typed({"type": "level", "level": "r4", "concurrency": None,
+                       "probe_seqs": [1, 3]})
     assert level_roofline(open_loop, model, probes, WORKLOAD, 1, 2) is None
     # no ceiling for the model's type: missing, with the reason, never guessed
-    missing = level_roofline(level, model, [], WORKLOAD, 1, 2)
+    missing = level_roofline(typed(level), model, [], WORKLOAD, 1, 2)
     assert missing["missing"].startswith("no ggml ceiling for f16")
-    unread = level_roofline(level, {"error": "GGUF architecture 'rwkv6' is not supported"},
-                            probes, WORKLOAD, 1, 2)
+    unread = level_roofline(typed(level), typed({
+        "type": "model", "key": "served", "error": "GGUF architecture 'rwkv6' is not supported"}),
+        probes, WORKLOAD, 1, 2)
     assert "No roofline bound: the served file's costs could not be read (GGUF architecture " \
         "'rwkv6' is not supported)." in roofline_findings([level | {"roofline": unread}], 2)
 
@@ -116,7 +120,7 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     levels = [_level(1, 1000.0, [1, 2], [1000.0]), _level(2, 1500.0, [4, 5], [1500.0]),
               _level(4, 1600.0, [7, 8])]
     for lv in levels:
-        lv["roofline"] = level_roofline(lv, model, probes, WORKLOAD, 1, 2)
+        lv["roofline"] = level_roofline(typed(lv), model, probes, WORKLOAD, 1, 2)
         lv["summary"] |= {"ttft_outside_prompt_s": {"p50": 0.01 * lv["concurrency"]}}
     text = " ".join(roofline_findings(levels, slots=2))
     roof = levels[1]["roofline"]
@@ -149,7 +153,7 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     assert "at 4 in flight (" not in behind
     # a prompt faster than the compute ceiling allows is said to be, with the probes' range
     fast_prompt = _level(1, 1000.0, [1, 2]) | {"server_prompt_ms": [1e-6]}
-    fast_prompt["roofline"] = level_roofline(fast_prompt, model, probes, WORKLOAD, 1, 2)
+    fast_prompt["roofline"] = level_roofline(typed(fast_prompt), model, probes, WORKLOAD, 1, 2)
     prefill = next(x for x in roofline_findings([fast_prompt], 2) if x.startswith("Prefill"))
     assert "— above that ceiling beyond its spread; the level's compute probes ranged " \
         "100–100 GFLOP/s" in prefill
@@ -157,7 +161,7 @@ def test_the_page_names_what_bounds_decode_and_prefill_and_where_the_slots_hold_
     assert [r["sequences"] for r in table.rows] == [1, 2, 2]
     # a served figure above its bound by more than the ceiling's spread is said, not hidden
     fast = _level(1, 1e9, [1, 2])
-    fast["roofline"] = level_roofline(fast, model, probes, WORKLOAD, 1, 2)
+    fast["roofline"] = level_roofline(typed(fast), model, probes, WORKLOAD, 1, 2)
     assert fast["roofline"]["above"]
     said = roofline_findings([fast], 2)[0]
     assert "Above the bound beyond its uncertainty at 1 in flight (the level's probes ranged " \

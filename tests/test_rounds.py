@@ -4,7 +4,9 @@ import math
 import random
 import statistics
 
+import msgspec
 import pytest
+from conftest import measurement_record
 
 from harness.core.rounds import (
     PAIRING_FIELDS,
@@ -122,11 +124,11 @@ def test_stopping_on_contrasts_ends_long_before_the_absolute_figures_would():
     assert _stop_round("absolute") == (40, "budget")
 
 
-def _record(rounds: list[int], rates: list[float], model: str = "m") -> dict:
-    return {"id": f"{model}|f32|t2", "model": model, "dtype": "f32", "threads": 2,
-            "n_gen": 10, "parallel": 1, "decode_tok_s": {"n": len(rates),
-                                                         "median": statistics.median(rates)},
-            "samples": {"rounds": rounds, "decode_s": [[10 / r] for r in rates]}}
+def _record(rounds: list[int], rates: list[float], model: str = "m"):
+    return measurement_record(id=f"{model}|f32|t2", model=model, model_key=f"{model}|f32",
+                              threads=2, n_gen=10,
+                              decode_tok_s={"n": len(rates), "median": statistics.median(rates)},
+                              samples={"rounds": rounds, "decode_s": [[10 / r] for r in rates]})
 
 
 def test_paired_ratio_recovers_the_true_ratio_under_drift():
@@ -140,10 +142,11 @@ def test_paired_ratio_recovers_the_true_ratio_under_drift():
     paired = round_ratio(b, a, "decode")
     assert paired["paired"] and paired["median"] == pytest.approx(0.8)
     assert paired["name"] == "decode of f32 t2: b ÷ a" and paired["numerator"] == "b|f32|t2"
-    unpaired = b["decode_tok_s"]["median"] / a["decode_tok_s"]["median"]
+    unpaired = b.decode_tok_s["median"] / a.decode_tok_s["median"]
     assert abs(unpaired - 0.8) > 0.05
     assert paired["median_ci95"][0] <= 0.8 <= paired["median_ci95"][1]
-    old = round_ratio({**b, "samples": {}}, {**a, "samples": {}}, "decode")
+    old = round_ratio(msgspec.structs.replace(b, samples={}),
+                      msgspec.structs.replace(a, samples={}), "decode")
     assert not old["paired"] and old["median"] == pytest.approx(unpaired)
     assert old["why"] == "the run recorded no rounds"
 

@@ -15,6 +15,7 @@ from harness.core.costs import (
     window_touched,
 )
 from harness.core.dtypes import DTYPES
+from harness.core.records import typed
 from harness.core.specs import resolve_spec
 from harness.engine.build import build
 from harness.engine.llama import Model
@@ -78,7 +79,8 @@ def test_a_prefill_ubatch_reads_the_union_of_its_tokens_experts():
 
     spec = resolve_spec("granite-3.0-1b-a400m")
     k_of_e = spec.num_experts_per_tok / spec.num_experts
-    model = {"decode_weight_n_bytes": 1000.0, "expert_n_bytes": 3200.0}
+    model = typed({"type": "model", "key": "m", "decode_weight_n_bytes": 1000,
+                   "expert_n_bytes": 3200})
     assert prefill_weight_n_bytes(model, spec, 1, 512) == 1000.0  # one token: k of E
     union = expert_union_fraction(spec.num_experts, spec.num_experts_per_tok, 512)
     full = 1000.0 + 3200.0 * (union - k_of_e)
@@ -100,9 +102,9 @@ def test_a_short_ubatch_reads_what_windows_of_the_recorded_prefill_touched():
     k_of_e = spec.num_experts_per_tok / spec.num_experts
     layer = {"n_experts": 32, "prefill_tokens": 512, "prefill_touched": 32,
              "prefill_windows": [[8, 16.0], [16, 20.0], [32, 28.0], [512, 32.0]]}
-    model = {"decode_weight_n_bytes": 1000.0, "expert_n_bytes": 3200.0,
-             "routing": {"layers": [layer, layer | {"prefill_windows": [
-                 [8, 16.0], [16, 24.0], [32, 28.0], [512, 32.0]]}]}}
+    model = typed({"type": "model", "key": "m", "decode_weight_n_bytes": 1000,
+                   "expert_n_bytes": 3200, "routing": {"layers": [layer, layer | {
+                       "prefill_windows": [[8, 16.0], [16, 24.0], [32, 28.0], [512, 32.0]]}]}})
     # 16 tokens: the two layers' windows, 20 and 24 of 32 experts (uniform: 31.7)
     assert prefill_weight_n_bytes(model, spec, 16, 512) == 1000.0 + 3200.0 * (22 / 32 - k_of_e)
     # 24 tokens: halfway from 16 to 32 in log2 n is 22.6 tokens; interpolated, not uniform

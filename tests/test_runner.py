@@ -2,15 +2,18 @@ import json
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import assert_user_error
 
 from harness import runner
 from harness.core.errors import HarnessError
+from harness.core.records import Grouping
 from harness.engine.measure import Cell
 from harness.engine.results import SCHEMA_VERSION, RunWriter, read_records
 from harness.engine.scenario import load_scenario
 from harness.runner import Console, run_scenario
+from harness.study.analyze import analyze_records
 
 SCENARIO = Path(__file__).resolve().parent / "scenarios" / "tiny.yaml"
 QUIET = Console(warn=lambda msg: None, info=lambda msg: None)
@@ -31,68 +34,65 @@ def run(tmp_path, scenario=SCENARIO, console=QUIET, resume=False):
 def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
     fast_noise(monkeypatch)
     plan, records = run(tmp_path)
-    assert records.header["schema_version"] == SCHEMA_VERSION
-    assert records.header["kind"] == "measurement"
-    assert records.header["scenario"]["text"] == SCENARIO.read_text()
-    assert records.header["plan"] == [m.id for m in plan.measurements]
+    assert records.header.schema_version == SCHEMA_VERSION
+    assert records.header.kind == "measurement"
+    assert records.header.scenario["text"] == SCENARIO.read_text()
+    assert records.header.plan == [m.id for m in plan.measurements]
     assert set(records.models) == {"tiny-qwen2|f32", "tiny-qwen2|q8_0", "tiny-llama|f32",
                                    "tiny-llama|q8_0"}
     for model in records.models.values():
-        assert model["n_params"] > 0 and len(model["sha256"]) == 64
-        assert model["file_n_bytes"] > model["model_n_bytes"] > 0
-    assert sorted(m["id"] for m in records.measurements) == sorted(m.id for m in plan.measurements)
+        assert model.n_params > 0 and len(model.sha256) == 64
+        assert model.file_n_bytes > model.model_n_bytes > 0
+    assert sorted(m.id for m in records.measurements) == sorted(m.id for m in plan.measurements)
     for m in records.measurements:
-        for key in ("model", "dtype", "threads", "n_prompt", "n_gen", "samples",
-                    "prefill_tok_s", "decode_tok_s", "decode_ms_per_token", "ttft_s",
-                    "n_params", "model_bytes", "noise", "flags"):
-            assert key in m
-        reps = m["repetitions"]
-        prefill = m["samples"]["prefill_s"]
+        assert m.n_params > 0 and m.model_bytes > 0 and m.samples and m.noise and m.ttft_s
+        reps = m.repetitions
+        prefill = m.samples["prefill_s"]
         assert len(prefill) == reps and all(s > 0 for s in prefill)
-        assert m["prefill_tok_s"]["median"] > 0
+        assert m.prefill_tok_s["median"] > 0
         # tokens / seconds, sample by sample
-        assert m["prefill_tok_s"]["max"] == pytest.approx(m["n_prompt"] / min(prefill))
-        assert m["ttft_s"]["min"] == pytest.approx(min(prefill))
-        assert len(m["warmup_samples"]["prefill_s"]) == m["warmup"] == 1
-        if m["n_gen"]:
-            decode = m["samples"]["decode_s"]
-            assert [len(d) for d in decode] == [m["n_gen"]] * reps
-            rates = sorted(m["n_gen"] / sum(d) for d in decode)
-            assert m["decode_tok_s"]["min"] == pytest.approx(rates[0])
+        assert m.prefill_tok_s["max"] == pytest.approx(m.n_prompt / min(prefill))
+        assert m.ttft_s["min"] == pytest.approx(min(prefill))
+        assert len(m.warmup_samples["prefill_s"]) == m.warmup == 1
+        if m.n_gen:
+            decode = m.samples["decode_s"]
+            assert [len(d) for d in decode] == [m.n_gen] * reps
+            rates = sorted(m.n_gen / sum(d) for d in decode)
+            assert m.decode_tok_s["min"] == pytest.approx(rates[0])
             # ms per token: the exact inverse of the rate, interval included
-            ms, tok = m["decode_ms_per_token"], m["decode_tok_s"]
+            ms, tok = m.decode_ms_per_token, m.decode_tok_s
             assert ms["median"] == pytest.approx(1000 / tok["median"])
             assert ms["median_ci95"] == pytest.approx([1000 / x for x in
                                                        reversed(tok["median_ci95"])])
-            perf = m["samples"]["perf"][0]
-            assert perf["n_eval"] == m["n_gen"] and perf["n_p_eval"] == m["n_prompt"]
+            perf = m.samples["perf"][0]
+            assert perf["n_eval"] == m.n_gen and perf["n_p_eval"] == m.n_prompt
         else:
-            assert m["decode_tok_s"] is None
-        lo, hi = m["prefill_tok_s"]["median_ci95"]
-        assert lo <= m["prefill_tok_s"]["median"] <= hi
-        assert math.isfinite(m["noise"]["idle_other_cores"])
+            assert m.decode_tok_s is None
+        lo, hi = m.prefill_tok_s["median_ci95"]
+        assert lo <= m.prefill_tok_s["median"] <= hi
+        assert math.isfinite(m.noise["idle_other_cores"])
     # the full set at both ends, and before every round the figures its cells need
-    whens = [p["when"] for p in records.probes]
+    whens = [p.when for p in records.probes]
     assert whens[0] == "before" and whens[-1] == "after"
     assert set(whens[1:-1]) == {"beside"}
     n_rounds = 3  # tiny.yaml: repetitions: 3
-    assert [r["round"] for r in records.rounds] == list(range(n_rounds))
-    assert [p["round"] for p in records.probes[1:-1]] == list(range(n_rounds))
+    assert [r.round for r in records.rounds] == list(range(n_rounds))
+    assert [p.round for p in records.probes[1:-1]] == list(range(n_rounds))
     for probe in records.probes[1:-1]:
-        ggml = probe["result"]["threads"]["1"]["ggml"]
+        ggml = probe.result["threads"]["1"]["ggml"]
         assert set(ggml) == {"f32", "q8_0"}  # the types of the models in the run
         assert all("stream_gb_s" in e and "compute_gflop_s" in e for e in ggml.values())
     # every round: each cell once, in the round record's shuffled order
     for rnd in records.rounds:
-        reps = [r for r in records.repetitions if r["round"] == rnd["round"]]
-        assert [r["id"] for r in sorted(reps, key=lambda r: r["position"])] == rnd["order"]
-        assert sorted(rnd["order"]) == sorted(m.id for m in plan.measurements)
-    assert len({tuple(r["order"]) for r in records.rounds}) > 1
+        reps = [r for r in records.repetitions if r.round == rnd.round]
+        assert [r.id for r in sorted(reps, key=lambda r: r.position)] == rnd.order
+        assert sorted(rnd.order) == sorted(m.id for m in plan.measurements)
+    assert len({tuple(r.order) for r in records.rounds}) > 1
     for m in records.measurements:
-        assert m["samples"]["rounds"] == list(range(n_rounds)) and m["stopped_by"] == "fixed"
-        reads = m["samples"]["read_gb_s"]
-        assert all((r is not None and len(r) == 2) == bool(m["n_gen"]) for r in reads)
-    (analysis,) = records.analyses
+        assert m.samples["rounds"] == list(range(n_rounds)) and m.stopped_by == "fixed"
+        reads = m.samples["read_gb_s"]
+        assert all((r is not None and len(r) == 2) == bool(m.n_gen) for r in reads)
+    analysis = analyze_records(records)  # never stored: computed from the records
     assert len(analysis["decode"]) == 4 and len(analysis["prefill"]) == 12
     for row in analysis["decode"]:
         assert row["read_ceiling"]["value"] > 0 and row["share_of_read"] > 0
@@ -102,8 +102,8 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
     for row in analysis["prefill"]:
         assert row["compute_peak"]["value"] > 0 and row["share_of_peak"] > 0
     for m in records.measurements:
-        assert m["flash_attn_used"] in (True, False)
-        assert m["samples"]["n_cached"] == [m["n_prompt"] + m["n_gen"]] * m["repetitions"]
+        assert m.flash_attn_used in (True, False)
+        assert m.samples["n_cached"] == [m.n_prompt + m.n_gen] * m.repetitions
     assert {f["threads"] for f in analysis["fits"]} == {1}
     assert analysis["predictions"]["estimate"] is True
 
@@ -131,7 +131,7 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
     with RunWriter(tmp_path / "run", resume=False) as writer:
         analysis = run_scenario(plan, writer, {}, console=QUIET, prober_factory=Broken)
     assert len(writer.records.measurements) == len(plan.measurements)
-    errors = [p.get("error") for p in writer.records.probes]
+    errors = [p.error for p in writer.records.probes]
     assert errors == ["MemoryError: no room"] * (2 + 3)  # both ends and each of 3 rounds
     assert all(r["read_ceiling"]["value"] is None for r in analysis["decode"])
     assert all(r["stream_ceiling"]["value"] is None and r["share_of_stream"] is None
@@ -182,16 +182,16 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     partial = read_records(tmp_path / "run" / "results.jsonl")
     assert len(partial.measurements) == 3
     _, records = run(tmp_path, resume=True)
-    ids = [m["id"] for m in records.measurements]
+    ids = [m.id for m in records.measurements]
     assert sorted(ids) == sorted(m.id for m in plan.measurements)
     assert len(ids) == len(set(ids))
-    assert [r["type"] for r in records.other] == ["resume"]
-    whens = [p["when"] for p in records.probes if p["when"] != "beside"]
+    assert [type(r).__name__ for r in records.other] == ["Resume"]
+    whens = [p.when for p in records.probes if p.when != "beside"]
     assert whens == ["before", "before", "after"]
     # the interrupted cells kept their three repetitions: none ran a fourth; those written on
     # resume state the setup their context was made with, as the others do
-    assert all(m["repetitions"] == 3 for m in records.measurements)
-    assert all("flash_attn_used" in m["setup"] for m in records.measurements)
+    assert all(m.repetitions == 3 for m in records.measurements)
+    assert all("flash_attn_used" in m.setup for m in records.measurements)
     assert len(records.repetitions) == 3 * len(plan.measurements)
 
 
@@ -216,12 +216,12 @@ def test_resume_mid_round_keeps_the_shuffle_and_the_repetitions(tmp_path, monkey
     _, records = run(tmp_path, resume=True)
     # round 1 was finished in the order it started with (its round record not written again),
     # then round 2 followed
-    assert [r["round"] for r in records.rounds] == [0, 1, 2]
-    round1 = sorted((r for r in records.repetitions if r["round"] == 1),
-                    key=lambda r: r["seq"])
-    assert [r["position"] for r in round1] == list(range(12))
-    assert [r["id"] for r in round1] == records.rounds[1]["order"]
-    assert all(m["repetitions"] == 3 and m["samples"]["rounds"] == [0, 1, 2]
+    assert [r.round for r in records.rounds] == [0, 1, 2]
+    round1 = sorted((r for r in records.repetitions if r.round == 1),
+                    key=lambda r: r.seq)
+    assert [r.position for r in round1] == list(range(12))
+    assert [r.id for r in round1] == records.rounds[1].order
+    assert all(m.repetitions == 3 and m.samples["rounds"] == [0, 1, 2]
                for m in records.measurements)
 
 
@@ -297,34 +297,34 @@ def test_rounds_run_on_across_ram_groups_and_never_pair_across_them(tmp_path, mo
     group's rounds number on after the first's, so no comparison pairs a repetition with one
     measured minutes apart in another group; such a comparison is unpaired and says so."""
     from harness.levers.common import round_ratio
-    from harness.report.analyze import with_ram_groups
     from harness.report.files import analysis_of
     from harness.report.page import render_markdown, report_data
+    from harness.study.analyze import with_ram_groups
 
     fast_noise(monkeypatch)
     plan = load_scenario(SCENARIO, physical_cores=1)
     needs = dict(runner._memory_by_model(list(plan.measurements), all_contexts=True))
     monkeypatch.setattr(runner, "available_ram_bytes", lambda: max(needs.values()) + 1)
     _, records = run(tmp_path)
-    (grouping,) = [r for r in records.other if r["type"] == "grouping"]
-    groups = grouping["groups"]
+    (grouping,) = records.of_type(Grouping)
+    groups = grouping.groups
     assert len(groups) >= 2
-    spans = [sorted({rnd for m in records.measurements if m["model_key"] in keys
-                     for rnd in m["samples"]["rounds"]}) for keys in groups]
+    spans = [sorted({rnd for m in records.measurements if m.model_key in keys
+                     for rnd in m.samples["rounds"]}) for keys in groups]
     assert spans == [list(range(3 * i, 3 * i + 3)) for i in range(len(groups))]
-    assert [r["round"] for r in records.rounds] == list(range(3 * len(groups)))
-    stamped = with_ram_groups(records.measurements, records.other)
-    first = [m for m in stamped if m["model_key"] in groups[0] and m["n_gen"]]
-    other = [m for m in stamped if m["model_key"] in groups[1] and m["n_gen"]]
-    assert {m["ram_group"] for m in first} == {0} and {m["ram_group"] for m in other} == {1}
+    assert [r.round for r in records.rounds] == list(range(3 * len(groups)))
+    stamped = with_ram_groups(records.measurements, records.of_type(Grouping))
+    first = [m for m in stamped if m.model_key in groups[0] and m.n_gen]
+    other = [m for m in stamped if m.model_key in groups[1] and m.n_gen]
+    assert {m.ram_group for m in first} == {0} and {m.ram_group for m in other} == {1}
     across = round_ratio(other[0], first[0], "decode")
     assert across["paired"] is False and across["median_ci95"]  # both figures' drift kept
     assert across["why"] == "they shared no rounds (other RAM groups)"
-    same = [m for m in stamped if m["model_key"] == first[0]["model_key"]]
+    same = [m for m in stamped if m.model_key == first[0].model_key]
     assert round_ratio(same[0], same[1], "prefill")["paired"] is True
     # an older run numbered every group's rounds from 0: the group still keeps them apart
-    old = [m | {"samples": m["samples"] | {"rounds": [r % 3 for r in m["samples"]["rounds"]]}}
-           for m in stamped]
+    old = [msgspec.structs.replace(m, samples=m.samples | {
+        "rounds": [r % 3 for r in m.samples["rounds"]]}) for m in stamped]
     assert round_ratio(old[stamped.index(other[0])], old[stamped.index(first[0])],
                        "decode")["paired"] is False
     report = render_markdown(report_data(records, analysis_of(records)))

@@ -4,6 +4,7 @@ append taken back, and the resume rule."""
 import json
 import os
 
+import msgspec
 import pytest
 
 from harness.core.errors import HarnessError
@@ -48,7 +49,7 @@ def test_a_failed_append_is_taken_back_to_the_last_whole_line(tmp_path, monkeypa
         assert path.read_bytes() == before  # no fragment left behind
         monkeypatch.setattr(results.os, "write", real)
         w.append({"type": "node_failure", "error": "disk"})  # the next append is a whole line
-    assert [r["type"] for r in read_records(path).other] == ["node_failure"]
+    assert [type(r).__name__ for r in read_records(path).other] == ["NodeFailure"]
 
 
 def test_resume_on_another_machine_is_refused_naming_what_differs(tmp_path):
@@ -76,7 +77,7 @@ def test_a_folder_of_another_kind_or_schema_is_refused(tmp_path):
     old = tmp_path / "old"
     started(old)
     with RunWriter(old, resume=True) as w, pytest.raises(HarnessError, match="schema 1"):
-        w.records.header["schema_version"] = 1
+        w.records.header = msgspec.structs.replace(w.records.header, schema_version=1)
         w.begin(header(), [])
 
 
@@ -86,5 +87,5 @@ def test_a_schema_1_serving_file_is_read_as_a_serving_run(tmp_path):
              {"type": "model", "path": "m.gguf"}, {"type": "probe", "seq": 1, "when": "c1"}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     records = read_records(path)
-    assert records.header["kind"] == "serving" and list(records.models) == ["served"]
-    assert records.probes[0]["seq"] == 1
+    assert records.header.kind == "serving" and list(records.models) == ["served"]
+    assert records.probes[0].seq == 1

@@ -230,15 +230,16 @@ def test_a_bad_twin_of_entry_is_one_line(run_cli, standin, tmp_path, entry, mess
 
 
 def test_a_twin_run_reloads_in_alternating_order_and_reports_both_phases(standin, tmp_path):
-    from harness.report.analyze import analyze_records
+    from harness.core.records import Load
     from harness.report.lesson import twin_section
+    from harness.study.analyze import analyze_records
 
     plan, records = measure_scenario(_twin_scenario(tmp_path, standin, reps=4), tmp_path)
-    loads = [r for r in records.other if r["type"] == "load"]
+    loads = records.of_type(Load)
     assert len(loads) == 4
-    assert loads[0]["order"] == loads[2]["order"] == loads[1]["order"][::-1]
+    assert loads[0].order == loads[2].order == loads[1].order[::-1]
     twin_model = next(m for k, m in records.models.items() if k.endswith("|twin"))
-    assert twin_model["calibration"]["passes"] >= 1 and twin_model["twin_of"] == str(standin)
+    assert twin_model.calibration["passes"] >= 1 and twin_model.twin_of == str(standin)
     rows = analyze_records(records)["twins"]
     assert sorted(r["phase"] for r in rows) == ["decode", "prefill"]
     assert all(r["n_pairs"] == 4 and len(r["per_round"]) == 4 for r in rows)

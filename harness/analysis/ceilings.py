@@ -4,6 +4,7 @@ use. Pure functions of the stored records."""
 
 from __future__ import annotations
 
+from ..core.records import Measurement, Probe
 from ..core.stats import log_median, ratio_summary, relative_half_width, summarize
 
 
@@ -13,11 +14,11 @@ def _samples_key(key: str) -> str:
     return f"{name}_samples_{unit}"
 
 
-def probe_figure(probe: dict | None, threads: int, path: tuple[str, ...]) -> dict | None:
+def probe_figure(probe: Probe | None, threads: int, path: tuple[str, ...]) -> dict | None:
     """One figure of one probe at a thread count: the median of its passes (the statistic a
     repetition is compared with: a best-of would fall with the number of passes), the
     passes, and the layout."""
-    node = ((probe or {}).get("result") or {}).get("threads", {}).get(str(threads))
+    node = ((probe.result if probe else None) or {}).get("threads", {}).get(str(threads))
     for part in path[:-1]:
         node = (node or {}).get(part)
     if not node or not node.get(path[-1]):
@@ -27,22 +28,21 @@ def probe_figure(probe: dict | None, threads: int, path: tuple[str, ...]) -> dic
             "best": node[path[-1]], "samples": samples, "layout": node.get("layout")}
 
 
-def span(m: dict) -> tuple[int, int]:
+def span(m: Measurement) -> tuple[int, int]:
     """The records a measurement's repetitions lie between (one point for older runs)."""
-    first = (m.get("span_seq") or [m["seq"]])[0]
-    return first, m["seq"]
+    return (m.span_seq or [m.seq])[0], m.seq
 
 
-def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
+def ceiling_near(probes: list[Probe], seq: int | tuple[int, int], threads: int,
                  path: tuple[str, ...]) -> dict:
     """The figure from the probes that measured it nearest a record (or a span of records:
     the nearest before, every one inside, the nearest after): the median of their pooled
     passes, and its spread (the wider side of that median's 95% interval, relative)."""
     lo, hi = seq if isinstance(seq, tuple) else (seq, seq)
-    before = next((f for p in reversed(probes) if p["seq"] < lo
+    before = next((f for p in reversed(probes) if p.seq < lo
                    and (f := probe_figure(p, threads, path))), None)
-    inside = [f for p in probes if lo < p["seq"] < hi and (f := probe_figure(p, threads, path))]
-    after = next((f for p in probes if p["seq"] > hi
+    inside = [f for p in probes if lo < p.seq < hi and (f := probe_figure(p, threads, path))]
+    after = next((f for p in probes if p.seq > hi
                   and (f := probe_figure(p, threads, path))), None)
     found = [f for f in (before, *inside, after) if f]
     out = {"before": before and before["value"], "after": after and after["value"],
@@ -58,7 +58,7 @@ def ceiling_near(probes: list[dict], seq: int | tuple[int, int], threads: int,
     return out
 
 
-def combined_ceiling(weights: dict[str, float], probes: list[dict],
+def combined_ceiling(weights: dict[str, float], probes: list[Probe],
                      seq: int | tuple[int, int], threads: int, what: str) -> dict:
     """A model's ceiling over its mix of tensor types: total ÷ Σ (weight of t ÷ ceiling of t)
     (time adds up over the types); a type without a ceiling leaves it missing, not guessed."""
@@ -80,21 +80,20 @@ def combined_ceiling(weights: dict[str, float], probes: list[dict],
             "layouts": {t: per[t]["layout"] for t in weights}}
 
 
-def round_shares(m: dict, phase: str, weights: dict, probes: list[dict], what: str,
+def round_shares(m: Measurement, phase: str, weights: dict, probes: list[Probe], what: str,
                  per_rate: float) -> dict | None:
     """A measurement's share of its ceiling, round by round: each repetition's figure (its
     rate × per_rate) ÷ the ceiling probed just before that round (the median of the
     probe's passes over the model's tensor types), summarized as a contrast of the run's
     model; None without beside probes."""
-    beside = {p["round"]: p for p in probes if p.get("when") == "beside" and "round" in p
-              and m["threads"] in (p.get("threads") or [m["threads"]])}
+    beside = {p.round: p for p in probes if p.when == "beside" and p.round is not None
+              and m.threads in (p.threads or [m.threads])}
     shares = []
     for (_, rnd), rate in sorted(round_rates(m, phase).items()):
         probe = beside.get(rnd)
         if probe is None:
             continue
-        c = combined_ceiling(weights, [probe], (probe["seq"] + 1, probe["seq"] + 1),
-                             m["threads"], what)
+        c = combined_ceiling(weights, [probe], (probe.seq + 1, probe.seq + 1), m.threads, what)
         if c["value"]:
             shares.append(rate * per_rate / c["value"])
     return ratio_summary(shares) if shares else None
@@ -109,28 +108,25 @@ def above_ceiling(share: float | None, ceiling: dict, by_round: dict | None = No
     return share is not None and share > 1 + (ceiling.get("spread") or 0)
 
 
-def is_plain(m: dict) -> bool:
+def is_plain(m: Measurement) -> bool:
     """One sequence from an empty F16 KV cache: the measurements the rule of thumb fits."""
-    return (m.get("kind", "single") == "single" and not m.get("depth")
-            and m.get("kv_type", "f16") == "f16")
+    return m.kind == "single" and not m.depth and m.kv_type == "f16"
 
 
-def rep_rates(m: dict, phase: str) -> list[float | None]:
+def rep_rates(m: Measurement, phase: str) -> list[float | None]:
     """Each repetition's tok/s of one phase (decode counts every sequence's tokens), in the
     order of the record's samples; None where a repetition has no such phase."""
-    samples = m.get("samples") or {}
     if phase == "decode":
-        n = m.get("parallel", 1) * m["n_gen"]
-        return [n / sum(d) if d and sum(d) > 0 else None for d in samples.get("decode_s", [])]
-    n = m.get("parallel", 1) * (m.get("shared_prefix", 0) + m["n_prompt"])
-    return [n / t if t else None for t in samples.get("prefill_s", [])]
+        n = m.parallel * m.n_gen
+        return [n / sum(d) if d and sum(d) > 0 else None for d in m.samples.get("decode_s", [])]
+    n = m.parallel * (m.shared_prefix + m.n_prompt)
+    return [n / t if t else None for t in m.samples.get("prefill_s", [])]
 
 
-def round_rates(m: dict, phase: str) -> dict[tuple[int, int], float]:
+def round_rates(m: Measurement, phase: str) -> dict[tuple[int, int], float]:
     """Each repetition's rate keyed by its block, (RAM group, round): only cells of one group
     ran side by side, so only they pair (runs before rounds ran on across groups numbered
     each group's rounds from 0)."""
-    rounds = (m.get("samples") or {}).get("rounds") or []
-    group = m.get("ram_group", 0)
-    return {(group, r): x for r, x in zip(rounds, rep_rates(m, phase), strict=False)
+    rounds = m.samples.get("rounds") or []
+    return {(m.ram_group, r): x for r, x in zip(rounds, rep_rates(m, phase), strict=False)
             if r is not None and x}

@@ -3,17 +3,18 @@ steady it was, and what the probes could not measure. Pure functions of the stor
 
 from __future__ import annotations
 
+from ..core.records import Measurement, Probe, Round
 from ..core.stats import center, summarize
 from .ceilings import probe_figure
 
 
-def ceilings_summary(probes: list[dict]) -> list[dict]:
+def ceilings_summary(probes: list[Probe]) -> list[dict]:
     """Each probed figure before and after the measurements, how far they moved, and the
     range of the probes taken beside the measurements."""
-    full = [p for p in probes if p.get("result") and p.get("when") != "beside"]
-    before = next((p for p in full if p.get("when") == "before"), None)
-    after = next((p for p in reversed(full) if p.get("when") == "after"), None)
-    beside = [p for p in probes if p.get("result") and p.get("when") == "beside"]
+    full = [p for p in probes if p.result and p.when != "beside"]
+    before = next((p for p in full if p.when == "before"), None)
+    after = next((p for p in reversed(full) if p.when == "after"), None)
+    beside = [p for p in probes if p.result and p.when == "beside"]
     rows = []
     for threads, path in _figures(before, after):
         b, a = (probe_figure(p, threads, path) for p in (before, after))
@@ -26,11 +27,11 @@ def ceilings_summary(probes: list[dict]) -> list[dict]:
     return rows
 
 
-def _figures(*probes: dict | None) -> list[tuple[int, tuple[str, ...]]]:
+def _figures(*probes: Probe | None) -> list[tuple[int, tuple[str, ...]]]:
     """Every (thread count, figure path) the probes hold, in a stable order."""
     out: dict = {}
     for p in probes:
-        for t, node in ((p or {}).get("result") or {}).get("threads", {}).items():
+        for t, node in ((p.result if p else None) or {}).get("threads", {}).items():
             for key in ("read_gb_s", "copy_gb_s", "matmul_gflop_s"):
                 if node.get(key):
                     out[(int(t), (key,))] = None
@@ -45,16 +46,17 @@ def _figures(*probes: dict | None) -> list[tuple[int, tuple[str, ...]]]:
 REGIME_GAP = 0.15  # a gap of 15% between sorted page reads splits them into two regimes
 
 
-def stability(measurements: list[dict], rounds: list[dict], noisy_cores: float) -> dict:
+def stability(measurements: list[Measurement], rounds: list[Round], noisy_cores: float
+              ) -> dict:
     """How steady the machine was: the page reads taken beside every decode repetition (their
     spread, and two regimes when they fall into two clusters), and the rounds in which other
     processes used the CPU."""
-    in_order = [v for m in measurements for pair in (m["samples"].get("read_gb_s") or [])
+    in_order = [v for m in measurements for pair in (m.samples.get("read_gb_s") or [])
                 if pair for v in pair]
     reads = sorted(in_order)
     out = {"n_reads": len(reads), "n_rounds": len(rounds),
-           "disturbed_rounds": [r["round"] for r in rounds
-                                if (r.get("idle_other_cores") or 0) > noisy_cores]}
+           "disturbed_rounds": [r.round for r in rounds
+                                if (r.idle_other_cores or 0) > noisy_cores]}
     if len(reads) < 2:
         return out
     out |= {"read_min": reads[0], "read_max": reads[-1], "read": summarize(in_order)}
@@ -68,11 +70,11 @@ def stability(measurements: list[dict], rounds: list[dict], noisy_cores: float) 
     return out
 
 
-def probe_errors(probes: list[dict]) -> list[str]:
+def probe_errors(probes: list[Probe]) -> list[str]:
     """Every probe failure and every weight type a probe could not measure, once each."""
-    out = [p["error"] for p in probes if p.get("error")]
+    out = [p.error for p in probes if p.error]
     for p in probes:
-        for t, node in ((p.get("result") or {}).get("threads") or {}).items():
+        for t, node in ((p.result or {}).get("threads") or {}).items():
             for dtype, entry in (node.get("ggml") or {}).items():
                 if entry.get("error"):
                     out.append(f"{dtype} at {t} threads: {entry['error']}")

@@ -44,6 +44,7 @@ from ..core.costs import (
     prefill_flops,
 )
 from ..core.dtypes import DTYPES
+from ..core.records import Probe
 from ..core.specs import ModelSpec
 from ..core.stats import center, relative_half_width, row_blocks, summarize
 from ..weights.gguf_build import table_from_plan
@@ -54,8 +55,8 @@ FIT_MIN_SIZES = 3
 SHORT_ROW, LONG_ROW = 512, 4096  # the probe's streaming rows (KernelProbe.NARROW_ROW, N_COLS)
 
 
-def full_probes(probes: list[dict]) -> list[dict]:
-    return [p for p in probes if p.get("result") and p.get("when") != "beside"]
+def full_probes(probes: list[Probe]) -> list[Probe]:
+    return [p for p in probes if p.result and p.when != "beside"]
 
 
 def _median_figure(probes: list[dict], threads: int, path: tuple[str, ...]) -> dict | None:
@@ -74,7 +75,7 @@ def fixed_costs(probes: list[dict]) -> dict:
     full probes timed: a line through their median step times against the layer count."""
     out: dict = {}
     for p in full_probes(probes):
-        for t, node in p["result"].get("threads", {}).items():
+        for t, node in p.result.get("threads", {}).items():
             for arch, by_layers in (node.get("fixed_cost") or {}).items():
                 slot = out.setdefault(int(t), {}).setdefault(arch, {})
                 for layers, entry in by_layers.items():
@@ -111,7 +112,7 @@ def ceilings(probes: list[dict]) -> dict:
     {shape: figure}}}: every yardstick the full probes hold, as medians of their passes."""
     out: dict = {}
     for p in full_probes(probes):
-        for t, node in p["result"].get("threads", {}).items():
+        for t, node in p.result.get("threads", {}).items():
             slot = out.setdefault(int(t), {"stream": {}, "compute": {}, "attention": {},
                                            "decode_attention": {}})
             for dtype in node.get("ggml") or {}:
@@ -137,8 +138,8 @@ def decode_model(decode: list[dict], models: dict, fixed: dict, ceil: dict | Non
     model's residual, and with 3 or more sizes the least-squares line with its intercept."""
     groups: dict[tuple, dict] = {}
     for r in decode:
-        model = models.get(f"{r['model']}|{r['dtype']}")
-        if not model or r.get("moe"):
+        model = models.get(r["model_key"])
+        if not model or r["moe"]:
             continue  # a mixture of experts reads a varying set of experts: not this line
         key = (r["threads"], r["dtype"])
         if r["model"] not in groups.setdefault(key, {}) or \
@@ -147,7 +148,7 @@ def decode_model(decode: list[dict], models: dict, fixed: dict, ceil: dict | Non
     out = []
     for (threads, dtype), by_model in sorted(groups.items()):
         rows = list(by_model.values())
-        specs = {r["model"]: ModelSpec(**models[f"{r['model']}|{dtype}"]["spec"]) for r in rows}
+        specs = {r["model"]: ModelSpec(**models[r["model_key"]].spec) for r in rows}
         fixed_by = {r["model"]: fixed_seconds(fixed, threads, specs[r["model"]])[0] or 0.0
                     for r in rows}
         attention_by = {r["model"]: decode_attention_s(
@@ -324,11 +325,11 @@ def prefill_model(prefill: list[dict], models: dict, ceil: dict) -> list[dict]:
     prompt length's predicted time from both parts beside the measured one."""
     groups: dict[tuple, list[dict]] = {}
     for r in prefill:
-        if r["n_gen"] == 0 and models.get(f"{r['model']}|{r['dtype']}"):
-            groups.setdefault((r["model"], r["dtype"], r["threads"]), []).append(r)
+        if r["n_gen"] == 0 and r["model_key"] in models:
+            groups.setdefault((r["model_key"], r["dtype"], r["threads"]), []).append(r)
     out = []
-    for (name, dtype, threads), rows in sorted(groups.items()):
-        spec = ModelSpec(**models[f"{name}|{dtype}"]["spec"])
+    for (key, dtype, threads), rows in sorted(groups.items()):
+        spec, name = ModelSpec(**models[key].spec), rows[0]["model"]
         attn_gflop_s, shape = attention_rate(ceil, threads, spec)
         if not attn_gflop_s:
             continue
@@ -377,8 +378,8 @@ def machine_model(decode: list[dict], prefill: list[dict], models: dict, probes:
             "decode": decode_model(decode, models, fixed, ceil),
             "prefill": prefill_model(prefill, models, ceil),
             "ram_bytes": ram_bytes,
-            "models": {k: {f: m.get(f) for f in ("spec", "decode_weight_n_bytes",
-                                                  "weights_n_bytes")}
+            "models": {k: {f: getattr(m, f) for f in ("spec", "decode_weight_n_bytes",
+                                                      "weights_n_bytes")}
                        for k, m in models.items()}}
 
 

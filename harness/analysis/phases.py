@@ -16,6 +16,7 @@ from ..core.costs import (
     prefill_flops,
     prefill_weight_n_bytes,
 )
+from ..core.records import Measurement, Model, Probe
 from ..core.specs import ModelSpec
 from ..core.stats import center, contrast, ratio_summary, row_blocks, summarize, unpaired
 from .ceilings import (
@@ -58,71 +59,73 @@ def fit_through_origin(n_bytes: list[float], tok_s: list[float]) -> Fit:
 # --- decode and prefill --------------------------------------------------------------------
 
 
-def decode_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
+def decode_rows(measurements: list[Measurement], models: dict[str, Model],
+                probes: list[Probe]) -> list[dict]:
     """Effective bandwidth of every plain decode, its share of the model's streaming ceiling
     (ggml's matrix-vector kernels over its tensor types) and of numpy's plain read."""
     rows = []
     for m in filter(is_plain, measurements):
-        tok, model = m.get("decode_tok_s"), models.get(m["model_key"])
+        tok, model = m.decode_tok_s, models.get(m.model_key)
         if not tok or not model:
             continue
-        n_bytes = decode_n_bytes_per_token(model["decode_weight_n_bytes"],
-                                           model["kv_n_bytes_per_token_f16"],
-                                           mean_decode_context(m["n_prompt"], m["n_gen"]))
+        n_bytes = decode_n_bytes_per_token(model.decode_weight_n_bytes,
+                                           model.kv_n_bytes_per_token_f16,
+                                           mean_decode_context(m.n_prompt, m.n_gen))
         effective = center(tok) * n_bytes / 1e9
-        stream = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m),
-                                  m["threads"], "stream_gb_s")
-        read = ceiling_near(probes, span(m), m["threads"], ("read_gb_s",))
-        copy = ceiling_near(probes, span(m), m["threads"], ("copy_gb_s",))
-        by_round = round_shares(m, "decode", model.get("decode_type_n_bytes"), probes,
+        stream = combined_ceiling(model.decode_type_n_bytes, probes, span(m), m.threads,
+                                  "stream_gb_s")
+        read = ceiling_near(probes, span(m), m.threads, ("read_gb_s",))
+        copy = ceiling_near(probes, span(m), m.threads, ("copy_gb_s",))
+        by_round = round_shares(m, "decode", model.decode_type_n_bytes, probes,
                                 "stream_gb_s", n_bytes / 1e9)
         share = (by_round["ratio"] if by_round else
                  effective / stream["value"] if stream["value"] else None)
-        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, stream, by_round)
-                                    else [])
+        flags = list(m.flags) + (["above-ceiling"] if above_ceiling(share, stream, by_round)
+                                 else [])
         rows.append({
-            "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
-            "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "tok_s": tok,
-            "bytes_per_token": n_bytes, "file_bytes_per_token": model["weights_n_bytes"],
-            "moe": bool(model.get("expert_n_bytes")),
+            "id": m.id, "model": m.model, "model_key": m.model_key, "dtype": m.dtype,
+            "threads": m.threads, "n_prompt": m.n_prompt, "n_gen": m.n_gen, "tok_s": tok,
+            "bytes_per_token": n_bytes, "file_bytes_per_token": model.weights_n_bytes,
+            "moe": bool(model.expert_n_bytes),
             "effective_gb_s": effective, "stream_ceiling": stream, "read_ceiling": read,
             "copy_ceiling": copy,
             "share_of_stream": share, "share_of_stream_ci": by_round,
             "share_of_read": effective / read["value"] if read["value"] else None,
             "flags": flags,
-            "noise": m.get("noise"),
+            "noise": m.noise,
             # [[RAM group, round], tok/s] of every repetition: the blocks the fit pairs
             "round_rates": [[list(k), x] for k, x in round_rates(m, "decode").items()],
         })
     return rows
 
 
-def prefill_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
+def prefill_rows(measurements: list[Measurement], models: dict[str, Model],
+                 probes: list[Probe]) -> list[dict]:
     """Achieved GFLOP/s of every plain prefill and its share of the model's compute peak
     (ggml's matrix-matrix kernels over its matrices' types, weighted by their FLOPs)."""
     rows = []
     for m in filter(is_plain, measurements):
-        tok, model = m.get("prefill_tok_s"), models.get(m["model_key"])
+        tok, model = m.prefill_tok_s, models.get(m.model_key)
         if not tok or not model:
             continue
-        flops = prefill_flops(ModelSpec(**model["spec"]), m["n_prompt"])
-        seconds = m["n_prompt"] / center(tok)
+        flops = prefill_flops(ModelSpec(**model.spec), m.n_prompt)
+        seconds = m.n_prompt / center(tok)
         gflop_s = flops / seconds / 1e9
-        peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m),
-                                m["threads"], "compute_gflop_s")
-        by_round = round_shares(m, "prefill", model.get("matmul_type_n_params"), probes,
-                                "compute_gflop_s", flops / m["n_prompt"] / 1e9)
+        peak = combined_ceiling(model.matmul_type_n_params, probes, span(m), m.threads,
+                                "compute_gflop_s")
+        by_round = round_shares(m, "prefill", model.matmul_type_n_params, probes,
+                                "compute_gflop_s", flops / m.n_prompt / 1e9)
         share = (by_round["ratio"] if by_round else
                  gflop_s / peak["value"] if peak["value"] else None)
-        flags = list(m["flags"]) + (["above-ceiling"] if above_ceiling(share, peak, by_round)
-                                    else [])
+        flags = list(m.flags) + (["above-ceiling"] if above_ceiling(share, peak, by_round)
+                                 else [])
         rows.append({
-            "id": m["id"], "model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
-            "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "seconds": seconds,
-            "n_ubatch": m.get("n_ubatch", 512), "flash_attn_used": m.get("flash_attn_used"),
+            "id": m.id, "model": m.model, "model_key": m.model_key, "dtype": m.dtype,
+            "threads": m.threads, "n_prompt": m.n_prompt, "n_gen": m.n_gen, "seconds": seconds,
+            "n_ubatch": m.n_ubatch, "flash_attn_used": m.flash_attn_used,
             "tok_s": tok, "flops": flops, "gflop_s": gflop_s, "compute_peak": peak,
             "share_of_peak": share, "share_of_peak_ci": by_round, "flags": flags,
-            "noise": m.get("noise"),
+            "noise": m.noise,
             "round_rates": [[list(k), x] for k, x in round_rates(m, "prefill").items()],
         })
     return rows
@@ -174,12 +177,12 @@ def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dic
     out = []
     for d in longest_decodes(decode):
         pre = [p for p in prefill if p["n_gen"] == 0 and config_key(p) == config_key(d)]
-        model = models.get(f"{d['model']}|{d['dtype']}")
+        model = models.get(d["model_key"])
         if not pre or not model:
             continue
         p = min(pre, key=lambda r: r["n_prompt"])
         stream, peak = d["stream_ceiling"]["value"], p["compute_peak"]["value"]
-        spec = ModelSpec(**model["spec"])
+        spec = ModelSpec(**model.spec)
         prefill_gb_s = prefill_weight_n_bytes(model, spec, p["n_prompt"],
                                               p["n_ubatch"]) / p["seconds"] / 1e9
         decode_gflop_s = (2 * matmul_params_per_token(spec) + 2 * spec.hidden_size

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .records import Model
 from .specs import ModelSpec, tensor_plan
 
 TOKEN_EMBEDDING = "token_embd.weight"
@@ -313,14 +314,14 @@ def mean_decode_context(n_prompt: int, n_gen: int) -> float:
     return n_prompt + (n_gen + 1) / 2 if n_gen else float(n_prompt)
 
 
-def prefill_weight_n_bytes(model: dict, spec: ModelSpec, n_prompt: int, n_ubatch: int
+def prefill_weight_n_bytes(model: Model, spec: ModelSpec, n_prompt: int, n_ubatch: int
                            ) -> float:
     """Weight bytes a prefill reads (model: a run's model record): every ubatch reads everything
     outside the routed experts once, and the union of the experts its tokens picked: as
     recorded where the run read the picks of a prefill at least that long (the model's
     routing: the prefill itself, or its windows of consecutive tokens), else the expected union
     with every token picking uniformly (expert_union_fraction); one decode token reads k of E."""
-    active, experts = model["decode_weight_n_bytes"], model.get("expert_n_bytes") or 0
+    active, experts = model.decode_weight_n_bytes, model.expert_n_bytes or 0
     total = 0.0
     for start in range(0, n_prompt, n_ubatch):
         n = min(n_ubatch, n_prompt - start)
@@ -330,10 +331,10 @@ def prefill_weight_n_bytes(model: dict, spec: ModelSpec, n_prompt: int, n_ubatch
     return total
 
 
-def _recorded_union(model: dict, n_tokens: int) -> float | None:
+def _recorded_union(model: Model, n_tokens: int) -> float | None:
     """The share of the experts n_tokens of one prefill touched, averaged over the layers that
     ran them all, from the model's recorded routing (None when it covers no such ubatch)."""
-    shares = [touched / r["n_experts"] for r in (model.get("routing") or {}).get("layers") or []
+    shares = [touched / r["n_experts"] for r in (model.routing or {}).get("layers") or []
               if (touched := _layer_touched(r, n_tokens)) is not None]
     return sum(shares) / len(shares) if shares else None
 

@@ -85,16 +85,16 @@ class Cell:
         self.ctx.close()
 
 
-def round_series(m: Measurement, reps: list[dict], phase: str | None = None
+def round_series(m: Measurement, reps: list, phase: str | None = None
                  ) -> dict[int, float]:
     """A cell's tok/s of one phase (the one it is judged on by default) keyed by round."""
     phase = phase or m.phase
     if phase == "decode":
         n = m.parallel * m.n_gen
-        return {r["round"]: n / sum(r["rep"]["decode_s"]) for r in reps
-                if r["rep"]["decode_s"] and sum(r["rep"]["decode_s"]) > 0}
+        return {r.round: n / sum(r.rep["decode_s"]) for r in reps
+                if r.rep["decode_s"] and sum(r.rep["decode_s"]) > 0}
     n = m.parallel * (m.shared_prefix + m.n_prompt)
-    return {r["round"]: n / r["rep"]["prefill_s"] for r in reps if r["rep"]["prefill_s"]}
+    return {r.round: n / r.rep["prefill_s"] for r in reps if r.rep["prefill_s"]}
 
 
 def _check_context_made(ctx, m: Measurement) -> None:
@@ -238,7 +238,7 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
         "n_prompt": m.n_prompt, "n_gen": m.n_gen, "kind": m.kind,
         "depth": m.depth, "kv_type": m.kv_type, "parallel": m.parallel,
         "shared_prefix": m.shared_prefix, "repetitions": len(reps), "warmup": s.warmup,
-        "n_params": info["n_params"], "model_bytes": info["model_n_bytes"],
+        "n_params": info.n_params, "model_bytes": info.model_n_bytes,
         "setup": setup,
         "samples": {"prefill_s": [r["prefill_s"] for r in reps if r["prefill_s"] is not None],
                     "decode_s": [r["decode_s"] for r in reps],

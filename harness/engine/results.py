@@ -8,38 +8,59 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from filelock import FileLock, Timeout
 
 from ..core.errors import HarnessError
+from ..core.records import (
+    SCHEMA_VERSION,
+    AnyRecord,
+    Failure,
+    Header,
+    Measurement,
+    Model,
+    Probe,
+    Record,
+    Repetition,
+    Round,
+    migrate,
+    to_dict,
+    typed,
+)
 from .records import summarized
 
-SCHEMA_VERSION = 2  # 2: headers name their run kind; one store for every kind
+__all__ = ["SCHEMA_VERSION", "RESULTS_FILE", "Records", "RunWriter", "read_records"]
 RESULTS_FILE = "results.jsonl"
 
 
 @dataclass
 class Records:
-    """Everything a results file holds, and whether its last line was cut off."""
+    """Everything a results file holds, typed (harness.core.records), and whether its last
+    line was cut off."""
 
-    header: dict | None = None
-    models: dict[str, dict] = field(default_factory=dict)  # by model key
-    measurements: list[dict] = field(default_factory=list)
-    failures: list[dict] = field(default_factory=list)
-    probes: list[dict] = field(default_factory=list)
-    analyses: list[dict] = field(default_factory=list)
-    repetitions: list[dict] = field(default_factory=list)  # one per timed repetition
-    rounds: list[dict] = field(default_factory=list)
-    n_records: int = 0
-    other: list[dict] = field(default_factory=list)
+    header: Header | None = None
+    models: dict[str, Model] = field(default_factory=dict)  # by model key
+    measurements: list[Measurement] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+    repetitions: list[Repetition] = field(default_factory=list)  # one per timed repetition
+    rounds: list[Round] = field(default_factory=list)
+    n_records: int = 0  # lines read or written (a record's seq is its line)
+    other: list[AnyRecord] = field(default_factory=list)  # resume, grouping, request, level …
     truncated_bytes: int = 0  # a partial last line (a crash mid-write) is skipped
 
     @property
     def measured_ids(self) -> set[str]:
-        return {m["id"] for m in self.measurements}
+        return {m.id for m in self.measurements}
+
+    def of_type(self, kind: type) -> list:
+        """The records of one of the other types (Level, Request, Grouping …), in file order."""
+        return [r for r in self.other if isinstance(r, kind)]
 
 
 def read_records(path: Path) -> Records:
-    """Parse a results file, tolerating a truncated last line."""
+    """Parse a results file, tolerating a truncated last line; every record migrated to
+    today's schema and typed, every measurement's summaries recomputed from its samples."""
     records = Records()
     try:
         raw = path.read_bytes()
@@ -50,76 +71,51 @@ def read_records(path: Path) -> Records:
     records.truncated_bytes = len(tail)
     lines = complete.split(b"\n") if complete else []
     for number, line in enumerate(lines, start=1):
-        try:
-            record = migrate(json.loads(line))
-        except (ValueError, RecursionError):  # not JSON, a number past Python's limit, too deep
-            record = None
-        if not _well_formed(record):
-            raise HarnessError("corrupt results line", source=str(path), line=number,
-                               fix="restore the file or start a new run")
-        if record["type"] == "measurement" and isinstance(record.get("samples"), dict):
-            record = _resummarized(record, path, number)
-        file_record(records, record)
+        file_record(records, _parsed(line, path, number))
     if records.header is None and lines:
         raise HarnessError("results file has no header record", source=str(path),
                            fix="pass a results.jsonl written by `harness run`")
     return records
 
 
-def _resummarized(record: dict, path: Path, number: int) -> dict:
-    """Summaries recomputed from the raw samples, so runs of every version show one
-    statistical convention."""
+def _parsed(line: bytes, path: Path, number: int) -> dict | None:
+    """One line as today's record (None: a kind no longer stored), or exit 2 naming it."""
     try:
-        return summarized(record)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        raise HarnessError("corrupt measurement record", source=str(path), line=number,
-                           fix="restore the file or start a new run") from None
+        record = json.loads(line)
+        record = migrate(record) if isinstance(record, dict) else record
+        if isinstance(record, dict) and record.get("type") == "measurement":
+            record = summarized(record)  # every run shown in today's statistical convention
+        if record is None or isinstance(typed(dict(record, seq=number)), Record):
+            return record
+    except (ValueError, RecursionError, KeyError, TypeError, ZeroDivisionError,
+            msgspec.ValidationError):  # not JSON, too deep, not a record of any kind
+        pass
+    raise HarnessError("corrupt results line", source=str(path), line=number,
+                       fix="restore the file or start a new run")
 
 
-def migrate(record: dict) -> dict:
-    """A record of any schema in today's shape (schema 1: a header without its run kind, a
-    served model without a key)."""
-    if not isinstance(record, dict):
-        return record
-    if record.get("type") == "header" and "kind" not in record:
-        record = record | {"kind": run_kind(record)}
-    elif record.get("type") == "model" and "key" not in record:
-        record = record | {"key": "served"}
-    return record
-
-
-# The keys each record type is filed by; a line without them was not written by a run.
-_REQUIRED = {"model": ("key",), "measurement": ("id",), "header": ("kind",),
-             "repetition": ("id", "round", "rep"), "round": ("round",)}
-
-
-def _well_formed(record: object) -> bool:
-    return (isinstance(record, dict) and isinstance(record.get("type"), str)
-            and all(k in record for k in _REQUIRED.get(record["type"], ())))
-
-
-def file_record(records: Records, record: dict) -> None:
-    """File one record into records (by its type), numbering it in file order."""
-    # seq: the record's place in the file, so analysis can find the probes beside a measurement
+def file_record(records: Records, record: dict | None) -> None:
+    """File one record into records (by its type), numbering it in file order (seq: its
+    line, so analysis can find the probes beside a measurement)."""
     records.n_records += 1
+    record = migrate(record) if record is not None else None
+    if record is None:
+        return
     # A serving run of schema 1 numbered its probes and levels itself: those numbers are kept.
-    record = dict(record, seq=record.get("seq", records.n_records))
-    kind = record.get("type")
-    if kind == "header":
+    record = typed(dict(record, seq=record.get("seq", records.n_records)))
+    if isinstance(record, Header):
         records.header = records.header or record
-    elif kind == "model":
-        records.models[record["key"]] = record
-    elif kind == "measurement":
+    elif isinstance(record, Model):
+        records.models[record.key] = record
+    elif isinstance(record, Measurement):
         records.measurements.append(record)
-    elif kind == "failure":
+    elif isinstance(record, Failure):
         records.failures.append(record)
-    elif kind == "probe":
+    elif isinstance(record, Probe):
         records.probes.append(record)
-    elif kind == "analysis":
-        records.analyses.append(record)
-    elif kind == "repetition":
+    elif isinstance(record, Repetition):
         records.repetitions.append(record)
-    elif kind == "round":
+    elif isinstance(record, Round):
         records.rounds.append(record)
     else:
         records.other.append(record)
@@ -156,11 +152,9 @@ def _shown(key: str, value: object) -> object:
     return f"{value / 2**30:.1f} GiB" if key == "ram_total_bytes" and value else value
 
 
-def run_kind(header: dict | None) -> str | None:
+def run_kind(header: Header | None) -> str | None:
     """measurement or serving: what kind of run a header starts (None: no header)."""
-    if header is None:
-        return None
-    return header.get("kind") or ("serving" if "workload" in header else "measurement")
+    return header.kind if header else None
 
 
 # Per run kind, the header fields a resume must find unchanged (the machine's identity too).
@@ -241,7 +235,7 @@ class RunWriter:
         short is done again, whole, not pooled with its fragment."""
         lines = self.path.read_bytes().split(b"\n")[: self.records.n_records]
         last = max((i for i, line in enumerate(lines)
-                    if closes_unit(migrate(json.loads(line)))), default=-1)
+                    if (r := migrate(json.loads(line))) and closes_unit(typed(r))), default=-1)
         if last + 1 < len(lines):
             _truncate(self.path, sum(len(line) + 1 for line in lines[: last + 1]))
             self.records = read_records(self.path)
@@ -276,10 +270,10 @@ class RunWriter:
 def begin_run(writer, header: dict, argv: list[str]) -> None:
     """Write a new run's header, or check a resumed run's against it (exit 2 naming what
     differs) and record the resume; writer: a RunWriter or a fleet node's stream."""
-    old = writer.records.header
-    if old is None:
+    if writer.records.header is None:
         writer.append(header)
         return
+    old = to_dict(writer.records.header)
     if old.get("schema_version") != header["schema_version"]:
         raise HarnessError(f"this run was written by another harness (results schema "
                            f"{old.get('schema_version')}, this one writes "

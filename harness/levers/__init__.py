@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.records import Measurement, Model, Probe
 from . import batching, experts, kv_depth, prefix, quant, threads, twins
 from .common import Lever
 
@@ -12,8 +13,8 @@ LEVERS: tuple[Lever, ...] = (experts.LEVER, quant.LEVER, kv_depth.LEVER, batchin
                              threads.LEVER, prefix.LEVER, twins.LEVER)
 
 
-def analyze_levers(measurements: list[dict], models: dict, probes: list[dict],
-                   phases: dict) -> dict:
+def analyze_levers(measurements: list[Measurement], models: dict[str, Model],
+                   probes: list[Probe], phases: dict) -> dict:
     """Every lever's rows (empty lists where the run did not measure that lever)."""
     out: dict = {}
     for lever in LEVERS:

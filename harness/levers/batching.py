@@ -15,6 +15,7 @@ from ..core.costs import (
     mean_decode_context,
     step_weight_n_bytes,
 )
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center, scaled
 from ..render.plotkit import ci_errors, log2_pair, plt, save
 from ..render.tabular import Column, Table
@@ -31,44 +32,46 @@ from .common import (
 
 # --- analysis
 
-def batching_rows(measurements: list[dict], models: dict, probes: list[dict]) -> list[dict]:
+def batching_rows(measurements: list[Measurement], models: dict[str, Model],
+                  probes: list[Probe]) -> list[dict]:
     """Aggregate and per-sequence decode at each batch size, beside the roofline bound."""
-    decodes = [m for m in measurements if m["n_gen"] and m.get("decode_tok_s")
-               and m.get("kind", "single") in ("single", "batched") and not m.get("depth")
-               and m.get("kv_type", "f16") == "f16" and m["model_key"] in models]
+    decodes = [m for m in measurements if m.n_gen and m.decode_tok_s
+               and m.kind in ("single", "batched") and not m.depth
+               and m.kv_type == "f16" and m.model_key in models]
     rows = []
-    for group in group_records(decodes, lambda m: (m["model_key"], m["threads"], m["n_prompt"],
-                                             m["n_gen"])):
-        if max(m.get("parallel", 1) for m in group) < 2:
+    for group in group_records(decodes, lambda m: (m.model_key, m.threads, m.n_prompt,
+                                                   m.n_gen)):
+        if max(m.parallel for m in group) < 2:
             continue
-        group.sort(key=lambda m: m.get("parallel", 1))
-        base = group[0] if group[0].get("parallel", 1) == 1 else None
+        group.sort(key=lambda m: m.parallel)
+        base = group[0] if group[0].parallel == 1 else None
         rows += [_batch_row(m, base, models, probes) for m in group]
     return rows
 
 
-def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> dict:
-    model, b = models[m["model_key"]], m.get("parallel", 1)
-    spec = spec_of(models, m)
+def _batch_row(m: Measurement, base: Measurement | None, models: dict[str, Model],
+               probes: list[Probe]) -> dict:
+    model, b = models[m.model_key], m.parallel
+    spec = spec_of(models, m.model_key)
     # a mixture of experts reads the union of the B tokens' experts (dense: the same weights)
-    solo_n_bytes = model["decode_weight_n_bytes"]
-    weight_n_bytes = step_weight_n_bytes(solo_n_bytes, model.get("expert_n_bytes", 0), spec, b)
-    bw = combined_ceiling(model.get("decode_type_n_bytes"), probes, span(m), m["threads"],
+    solo_n_bytes = model.decode_weight_n_bytes
+    weight_n_bytes = step_weight_n_bytes(solo_n_bytes, model.expert_n_bytes or 0, spec, b)
+    bw = combined_ceiling(model.decode_type_n_bytes, probes, span(m), m.threads,
                           "stream_gb_s")["value"]
-    peak = combined_ceiling(model.get("matmul_type_n_params"), probes, span(m), m["threads"],
+    peak = combined_ceiling(model.matmul_type_n_params, probes, span(m), m.threads,
                             "compute_gflop_s")["value"]
     # One step multiplies every weight matrix by B vectors and reads each sequence's own KV
     # cache, attending over it (core/costs.decode_flops_per_token, decode_bound).
-    context = mean_decode_context(m["n_prompt"], m["n_gen"])
+    context = mean_decode_context(m.n_prompt, m.n_gen)
     kv_n_bytes = kv_n_bytes_per_token(spec) * context
     roof = (decode_bound(weight_n_bytes, kv_n_bytes, decode_flops_per_token(spec, context), b,
                          bw, peak) if bw and peak else None)
     bound = roof.tok_s if roof else None
     ridge = roof.ridge_sequences if roof else None
-    agg = median_of(m["decode_tok_s"])
-    return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "parallel": b,
-            "tok_s": m["decode_tok_s"], "per_sequence_tok_s": m.get("per_sequence_tok_s")
-            or m["decode_tok_s"], "ms_per_step": m["decode_ms_per_token"],
+    agg = median_of(m.decode_tok_s)
+    return {"model": m.model, "dtype": m.dtype, "threads": m.threads, "parallel": b,
+            "tok_s": m.decode_tok_s, "per_sequence_tok_s": m.per_sequence_tok_s
+            or m.decode_tok_s, "ms_per_step": m.decode_ms_per_token,
             "speedup": center(ratio := round_ratio(m, base, "decode") if base else None),
             "speedup_ci": ratio, "per_user_ci": _per_user(ratio, b),
             "weight_n_bytes_per_token": weight_n_bytes / b, "bound_tok_s": bound,
@@ -78,7 +81,7 @@ def _batch_row(m: dict, base: dict | None, models: dict, probes: list[dict]) -> 
                 spec.num_experts, spec.num_experts_per_tok, b) if spec.is_moe else None),
             "n_experts": spec.num_experts,
             "share_of_bound": agg / bound if bound else None, "ridge_parallel": ridge,
-            "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m["flags"]}
+            "stream_gb_s": bw, "compute_gflop_s": peak, "flags": m.flags}
 
 
 def _per_user(ratio: dict | None, parallel: int) -> dict | None:
@@ -91,7 +94,8 @@ def _per_user(ratio: dict | None, parallel: int) -> dict | None:
                   "name": ratio["name"] + ", per sequence"}
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     return {"batching": batching_rows(measurements, models, probes)}
 
 

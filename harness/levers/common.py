@@ -9,11 +9,12 @@ from itertools import groupby
 from pathlib import Path
 
 from ..analysis.ceilings import round_rates
+from ..core.records import Measurement, Model, Probe
 from ..core.specs import ModelSpec
 from ..core.stats import center, contrast, unpaired
 
 
-def group_records(records: list[dict], key) -> list[list[dict]]:
+def group_records(records: list[Measurement], key) -> list[list[Measurement]]:
     """Records grouped by key(record), in a stable order."""
     ordered = sorted(records, key=lambda r: str(key(r)))
     return [list(g) for _, g in groupby(ordered, key=lambda r: str(key(r)))]
@@ -36,28 +37,29 @@ def threads_label(n: int) -> str:
     return f"{n} thread{'s' if n != 1 else ''}"
 
 
-def spec_of(models: dict, m: dict) -> ModelSpec:
-    return ModelSpec(**models[m["model_key"]]["spec"])
+def spec_of(models: dict[str, Model], model_key: str) -> ModelSpec:
+    return ModelSpec(**models[model_key].spec)
 
 
-def round_ratio(a: dict, b: dict, phase: str) -> dict | None:
+def round_ratio(a: Measurement, b: Measurement, phase: str) -> dict | None:
     """a's rate ÷ b's, a contrast of the run's model (harness.core.stats): round by round
     where both ran a repetition, so drift between rounds cancels; for cells that never shared
     a round (other RAM groups, runs without rounds), the ratio of medians, unpaired, with an
     interval that keeps the drift, and why. Named by the two cells' ids and the metric."""
     ours, theirs = round_rates(a, phase), round_rates(b, phase)
-    if a["id"] == b["id"]:  # a cell against itself (a table's baseline row): exactly 1
-        out = {"n": (a.get(f"{phase}_tok_s") or {}).get("n", 1), "ratio": 1.0, "median": 1.0,
+    if a.id == b.id:  # a cell against itself (a table's baseline row): exactly 1
+        out = {"n": (getattr(a, f"{phase}_tok_s") or {}).get("n", 1), "ratio": 1.0,
+               "median": 1.0,
                "median_ci95": [1.0, 1.0], "paired": True}
     else:
         out = contrast(ours, theirs)
     if out is None:
-        out = unpaired(a.get(f"{phase}_tok_s"), b.get(f"{phase}_tok_s"))
+        out = unpaired(getattr(a, f"{phase}_tok_s"), getattr(b, f"{phase}_tok_s"))
         if out is None:
             return None
         out["why"] = ("the run recorded no rounds" if not ours or not theirs else
                       "they shared no rounds (other RAM groups)")
-    return out | {"numerator": a["id"], "denominator": b["id"],
+    return out | {"numerator": a.id, "denominator": b.id,
                   "metric": f"{phase}_tok_s", "name": contrast_name(a, b, phase)}
 
 
@@ -65,13 +67,14 @@ NAMED = (("model", ""), ("dtype", ""), ("threads", "t"), ("n_prompt", "pp"),
          ("n_gen", "tg"), ("depth", "d"), ("kv_type", "kv "), ("parallel", "np"))
 
 
-def contrast_name(a: dict, b: dict, phase: str) -> str:
+def contrast_name(a: Measurement, b: Measurement, phase: str) -> str:
     """In words: the phase, what both cells share, and what differs (a ÷ b)."""
-    same = [f"{p}{a.get(k)}" for k, p in NAMED if a.get(k) == b.get(k) and a.get(k)]
-    differ = [k for k, _ in NAMED if a.get(k) != b.get(k)]
+    same = [f"{p}{getattr(a, k)}" for k, p in NAMED
+            if getattr(a, k) == getattr(b, k) and getattr(a, k)]
+    differ = [k for k, _ in NAMED if getattr(a, k) != getattr(b, k)]
 
-    def side(m: dict) -> str:
-        return " ".join(f"{p}{m.get(k)}" for k, p in NAMED if k in differ) or m["id"]
+    def side(m: Measurement) -> str:
+        return " ".join(f"{p}{getattr(m, k)}" for k, p in NAMED if k in differ) or m.id
 
     head = f"{phase} of {' '.join(same[:2])}" if same else phase
     return f"{head}: {side(a)} ÷ {side(b)}"
@@ -99,7 +102,7 @@ class Lever:
     """One lever of the report: its analysis, its tables and its plot, in one module."""
 
     name: str
-    analyze: Callable[[list[dict], dict, list[dict], dict], dict[str, list]]
+    analyze: Callable[[list[Measurement], dict[str, Model], list[Probe], dict], dict[str, list]]
     tables: Callable[[dict], list]  # analysis -> list[Table]
     table_names: tuple[str, ...]
     plot: Callable[[dict, Path], str | None]

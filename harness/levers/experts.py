@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from ..analysis.phases import fit_through_origin, longest_decodes
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center, ratio_summary, row_blocks
 from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
@@ -18,22 +19,22 @@ GB = 1e9
 
 # --- analysis
 
-def expert_rows(models: dict, phases: dict) -> list[dict]:
+def expert_rows(models: dict[str, Model], phases: dict) -> list[dict]:
     """Each mixture-of-experts decode beside the two predictions of the rule of thumb (file
     size, active bytes), at a bandwidth the MoE rows did not set: the fit through the dense
     models of the same weight type and threads, else the model's streaming ceiling. The dense
     rows of that group come along, for comparison."""
-    decode = longest_decodes(phases.get("decode") or [])
-    moe = [r for r in decode if r.get("moe")]
+    decode = longest_decodes(phases["decode"])
+    moe = [r for r in decode if r["moe"]]
     rows = []
     for key in sorted({(r["dtype"], r["threads"]) for r in moe}):
         group = [r for r in decode if (r["dtype"], r["threads"]) == key]
-        dense = [r for r in group if not r.get("moe")]
+        dense = [r for r in group if not r["moe"]]
         fit = _dense_fit(dense)
-        for r in sorted(group, key=lambda r: (not r.get("moe"), r["model"])):
+        for r in sorted(group, key=lambda r: (not r["moe"], r["model"])):
             gb_s, basis = fit or (r["stream_ceiling"]["value"],
                                   "ggml's streaming ceiling for its types")
-            row = _expert_row(r, models[f"{r['model']}|{r['dtype']}"], gb_s, basis)
+            row = _expert_row(r, models[r["model_key"]], gb_s, basis)
             rows.append(row | {"of_active_ci": _paired_of_active(r, dense) if row["moe"]
                                else None})
     return rows
@@ -53,7 +54,7 @@ def _paired_of_active(r: dict, dense: list[dict]) -> dict | None:
     model and the dense models decoded, the dense fit of that round predicts the MoE rate
     (drift cancels); without dense models, the share of the streaming ceiling per round."""
     if not dense:
-        return r.get("share_of_stream_ci")
+        return r["share_of_stream_ci"]
     ours, theirs = row_blocks(r), [row_blocks(d) for d in dense]
     common = sorted(set(ours).intersection(*theirs))
     ratios = []
@@ -67,21 +68,21 @@ def _paired_of_active(r: dict, dense: list[dict]) -> dict | None:
                                   "bytes at the dense models' bandwidth, round by round"}
 
 
-def _expert_row(r: dict, model: dict, gb_s: float | None, basis: str) -> dict:
-    spec = model["spec"]
-    kv_n_bytes = r["bytes_per_token"] - model["decode_weight_n_bytes"]
-    file_n_bytes = model["weights_n_bytes"] + kv_n_bytes
+def _expert_row(r: dict, model: Model, gb_s: float | None, basis: str) -> dict:
+    spec = model.spec
+    kv_n_bytes = r["bytes_per_token"] - model.decode_weight_n_bytes
+    file_n_bytes = model.weights_n_bytes + kv_n_bytes
     measured = center(r["tok_s"])
     by_file = gb_s * GB / file_n_bytes if gb_s else None
     by_active = gb_s * GB / r["bytes_per_token"] if gb_s else None
     follows = None
-    if r.get("moe") and by_file and by_active and measured:
+    if r["moe"] and by_file and by_active and measured:
         follows = ("active bytes" if abs(math.log(measured / by_active))
                    < abs(math.log(measured / by_file)) else "file size")
     return {"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
-            "moe": bool(r.get("moe")),
+            "moe": r["moe"],
             "experts": (f"{spec['num_experts_per_tok']} of {spec['num_experts']}"
-                        if r.get("moe") else "dense"),
+                        if r["moe"] else "dense"),
             "file_n_bytes": file_n_bytes, "active_n_bytes": r["bytes_per_token"],
             "tok_s": r["tok_s"], "gb_s": gb_s, "basis": basis,
             "by_file_tok_s": by_file, "by_active_tok_s": by_active,
@@ -90,22 +91,22 @@ def _expert_row(r: dict, model: dict, gb_s: float | None, basis: str) -> dict:
             "follows": follows, "flags": r["flags"]}
 
 
-def routing_rows(models: dict) -> list[dict]:
+def routing_rows(models: dict[str, Model]) -> list[dict]:
     """Per mixture of experts with recorded routing: the range over its layers of the experts
     a prefill touched and of what consecutive decode steps shared, beside uniform routing."""
     rows = []
     for _, model in sorted(models.items()):
-        layers = (model.get("routing") or {}).get("layers") or []
+        layers = (model.routing or {}).get("layers") or []
         whole = [r for r in layers if r["prefill_touched"] is not None
-                 and r["prefill_tokens"] == model["routing"]["n_prompt"]]
+                 and r["prefill_tokens"] == model.routing["n_prompt"]]
         overlap = [r["decode_overlap"] for r in layers if r["decode_overlap"] is not None]
         if not layers or not overlap:
             continue
         first = layers[0]
-        rows.append({"model": model["model"], "dtype": model["dtype"],
+        rows.append({"model": model.model, "dtype": model.dtype,
                      "experts": f"{first['k']} of {first['n_experts']}",
-                     "n_prompt": model["routing"]["n_prompt"],
-                     "n_decode": model["routing"]["n_decode"],
+                     "n_prompt": model.routing["n_prompt"],
+                     "n_decode": model.routing["n_decode"],
                      "touched": _span([r["prefill_touched"] for r in whole]),
                      "touched_uniform": whole[0]["prefill_uniform"] if whole else None,
                      "n_full": sum(r["prefill_touched"] >= 0.95 * r["n_experts"] for r in whole),
@@ -126,7 +127,8 @@ def _span(values: list, fmt: str = "{}") -> str:
     return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     return {"experts": expert_rows(models, phases), "routing": routing_rows(models)}
 
 

@@ -11,6 +11,7 @@ from ..core.costs import (
     kv_n_bytes_per_token,
     mean_decode_context,
 )
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center
 from ..render.plotkit import ci_errors, finish, plt
 from ..render.tabular import Column, Table, notes_for
@@ -22,80 +23,79 @@ KV_MEMORY_CONTEXTS = (2048, 8192, 32768, 131072)
 
 # --- analysis
 
-def kv_depth_rows(measurements: list[dict], models: dict) -> list[dict]:
+def kv_depth_rows(measurements: list[Measurement], models: dict[str, Model]) -> list[dict]:
     """Decode at each depth with its measured slowdown (against the paired depth-0 baseline)
     and the slowdown its bytes predict. Only groups that vary depth, or use a non-F16 cache,
     are shown."""
-    singles = [m for m in measurements if m.get("kind", "single") == "single" and m["n_gen"]
-               and m.get("decode_tok_s") and m["model_key"] in models]
+    singles = [m for m in measurements if m.kind == "single" and m.n_gen
+               and m.decode_tok_s and m.model_key in models]
     rows = []
-    for group in group_records(singles, lambda m: (m["model_key"], m["threads"],
-                                                   m.get("kv_type", "f16"), m["n_prompt"],
-                                                   m["n_gen"])):
-        depths = {m.get("depth", 0) for m in group}
-        if len(depths) < 2 and group[0].get("kv_type", "f16") == "f16":
+    for group in group_records(singles, lambda m: (m.model_key, m.threads, m.kv_type,
+                                                   m.n_prompt, m.n_gen)):
+        depths = {m.depth for m in group}
+        if len(depths) < 2 and group[0].kv_type == "f16":
             continue
-        group.sort(key=lambda m: m.get("depth", 0))
+        group.sort(key=lambda m: m.depth)
         base = group[0]
         for m in group:
             rows.append(_kv_row(m, base, models))
     return rows
 
 
-def _kv_row(m: dict, base: dict, models: dict) -> dict:
-    model, kv = models[m["model_key"]], m.get("kv_type", "f16")
-    per_token = kv_n_bytes_per_token(spec_of(models, m), kv, kv)
+def _kv_row(m: Measurement, base: Measurement, models: dict[str, Model]) -> dict:
+    model, kv = models[m.model_key], m.kv_type
+    per_token = kv_n_bytes_per_token(spec_of(models, m.model_key), kv, kv)
 
-    def context(r: dict) -> float:
-        return r.get("depth", 0) + mean_decode_context(r["n_prompt"], r["n_gen"])
+    def step_n_bytes(depth: int) -> float:
+        context = depth + mean_decode_context(m.n_prompt, m.n_gen)
+        return decode_n_bytes_per_token(model.decode_weight_n_bytes, per_token, context)
 
-    def step_n_bytes(r: dict) -> float:
-        return decode_n_bytes_per_token(model["decode_weight_n_bytes"], per_token, context(r))
-
-    ms, base_ms = median_of(m["decode_ms_per_token"]), median_of(base["decode_ms_per_token"])
-    paired = m.get("paired_slowdown")
+    ms, base_ms = median_of(m.decode_ms_per_token), median_of(base.decode_ms_per_token)
+    paired = m.paired_slowdown
     if paired:  # the same decode at depth 0, timed beside each repetition
         measured, against = paired, "paired depth-0 baseline"
         if paired.get("median_ci95") and "numerator" not in paired:
             measured = paired | {
-                "numerator": m["id"], "denominator": f"{m['id']} (its depth-0 baseline)",
-                "metric": "seconds", "name": f"decode step of {m['model']} {m['dtype']} at "
-                f"depth {m['depth']:,} ÷ at depth 0, in the same repetition"}
-    elif not m.get("depth"):
+                "numerator": m.id, "denominator": f"{m.id} (its depth-0 baseline)",
+                "metric": "seconds", "name": f"decode step of {m.model} {m.dtype} at "
+                f"depth {m.depth:,} ÷ at depth 0, in the same repetition"}
+    elif not m.depth:
         measured, against = {"median": 1.0, "mean": 1.0, "n": 1}, "itself"
     else:  # a run from before the paired baseline existed: another measurement at depth 0
         measured = ({"median": ms / base_ms, "mean": ms / base_ms, "n": 1}
                     if ms and base_ms else None)
-        against = f"the depth-{base.get('depth', 0)} measurement"
-    return {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"], "kv_type": kv,
-            "depth": m.get("depth", 0), "n_gen": m["n_gen"], "tok_s": m["decode_tok_s"],
-            "baseline_tok_s": m.get("baseline_decode_tok_s"),
-            "ms_per_token": m["decode_ms_per_token"], "kv_n_bytes_per_token": per_token,
-            "kv_n_bytes": per_token * context(m), "bytes_per_token": step_n_bytes(m),
+        against = f"the depth-{base.depth} measurement"
+    return {"model": m.model, "model_key": m.model_key, "dtype": m.dtype, "threads": m.threads,
+            "kv_type": kv, "depth": m.depth, "n_gen": m.n_gen, "tok_s": m.decode_tok_s,
+            "baseline_tok_s": m.baseline_decode_tok_s,
+            "ms_per_token": m.decode_ms_per_token, "kv_n_bytes_per_token": per_token,
+            "kv_n_bytes": per_token * (m.depth + mean_decode_context(m.n_prompt, m.n_gen)),
+            "bytes_per_token": step_n_bytes(m.depth),
             "slowdown_against": against, "measured_slowdown": measured,
-            "predicted_slowdown": step_n_bytes(m) / step_n_bytes(m | {"depth": 0}),
-            "flags": m["flags"], "noise": m["noise"]}
+            "predicted_slowdown": step_n_bytes(m.depth) / step_n_bytes(0),
+            "flags": m.flags, "noise": m.noise}
 
 
-def kv_memory_rows(kv_rows: list[dict], models: dict) -> list[dict]:
+def kv_memory_rows(kv_rows: list[dict], models: dict[str, Model]) -> list[dict]:
     """Weights plus every user's KV cache at a context, for each model and KV type measured."""
     rows = []
-    for model_key, kv in sorted({(f"{r['model']}|{r['dtype']}", r["kv_type"]) for r in kv_rows}):
+    for model_key, kv in sorted({(r["model_key"], r["kv_type"]) for r in kv_rows}):
         model = models[model_key]
-        spec = spec_of(models, {"model_key": model_key})
+        spec = spec_of(models, model_key)
         per_token = kv_n_bytes_per_token(spec, kv, kv)
         for context in KV_MEMORY_CONTEXTS:
             if context > spec.max_position_embeddings:
                 continue
-            row = {"model": model["model"], "dtype": model["dtype"], "kv_type": kv,
+            row = {"model": model.model, "dtype": model.dtype, "kv_type": kv,
                    "context": context, "kv_per_user": per_token * context}
             for users in KV_MEMORY_USERS:
-                row[f"users_{users}"] = model["weights_n_bytes"] + users * per_token * context
+                row[f"users_{users}"] = model.weights_n_bytes + users * per_token * context
             rows.append(row)
     return rows
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     kv = kv_depth_rows(measurements, models)
     return {"kv_depth": kv, "kv_memory": kv_memory_rows(kv, models)}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center, ratio_summary
 from ..render.plotkit import ci_errors, plt, save
 from ..render.tabular import Column, Table
@@ -13,38 +14,39 @@ from .common import Lever, median_of
 
 # --- analysis
 
-def prefix_rows(measurements: list[dict], models: dict) -> list[dict]:
+def prefix_rows(measurements: list[Measurement]) -> list[dict]:
     """Time to first token with the shared prefix recomputed and reused, and the saving."""
     rows = []
     for m in measurements:
-        if m.get("kind") != "prefix_cache" or not m.get("ttft_s"):
+        if m.kind != "prefix_cache" or not m.ttft_s:
             continue
-        recompute = median_of(m["ttft_s"])
-        row = {"model": m["model"], "dtype": m["dtype"], "threads": m["threads"],
-               "shared_prefix": m["shared_prefix"], "n_prompt": m["n_prompt"],
-               "kv_type": m.get("kv_type", "f16"), "recompute_s": m["ttft_s"],
-               "state_n_bytes": (m.get("setup") or {}).get("state_n_bytes"),
-               "flags": m["flags"]}
-        for method, summary in m["ttft_reuse_s"].items():
+        recompute = median_of(m.ttft_s)
+        row = {"model": m.model, "dtype": m.dtype, "threads": m.threads,
+               "shared_prefix": m.shared_prefix, "n_prompt": m.n_prompt,
+               "kv_type": m.kv_type, "recompute_s": m.ttft_s,
+               "state_n_bytes": (m.setup or {}).get("state_n_bytes"),
+               "flags": m.flags}
+        for method, summary in (m.ttft_reuse_s or {}).items():
             row[f"{method}_s"] = summary
             # both timed inside each repetition: paired, so the saving is a contrast
-            paired = ratio_summary([a / b for a, b in zip(m["samples"]["prefill_s"],
-                                                           m["samples"]["reuse_s"][method],
+            paired = ratio_summary([a / b for a, b in zip(m.samples["prefill_s"],
+                                                           m.samples["reuse_s"][method],
                                                            strict=False) if a > 0 and b > 0])
             speedup = paired["ratio"] if paired else recompute / median_of(summary)
             row[f"{method}_saving"] = 1 - 1 / speedup
             row[f"{method}_speedup"] = speedup
             row[f"{method}_speedup_ci"] = paired and paired | {
-                "numerator": m["id"], "denominator": f"{m['id']} ({method.replace('_', ' ')})",
-                "metric": "seconds", "name": f"time to first token of {m['model']} "
-                f"{m['dtype']} after {m['shared_prefix']:,} shared tokens: recomputed ÷ "
+                "numerator": m.id, "denominator": f"{m.id} ({method.replace('_', ' ')})",
+                "metric": "seconds", "name": f"time to first token of {m.model} "
+                f"{m.dtype} after {m.shared_prefix:,} shared tokens: recomputed ÷ "
                 f"{method.replace('_', ' ')}, in the same repetition"}
         rows.append(row)
     return rows
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
-    return {"prefix": prefix_rows(measurements, models)}
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
+    return {"prefix": prefix_rows(measurements)}
 
 
 # --- table

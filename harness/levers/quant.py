@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.ceilings import is_plain
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center
 from ..engine.scenario import TWIN_PAIR
 from ..render.plotkit import ci_errors, plt, save
@@ -15,42 +16,44 @@ from .common import Lever, group_records, group_rows, round_ratio, unpaired_note
 
 # --- analysis
 
-def composition(model: dict) -> dict:
+def composition(model: Model) -> dict:
     """What a file really holds: bits per weight and each tensor type's share of the weights."""
-    params = model.get("tensor_type_n_params") or {}
-    n_bytes = model["tensor_type_n_bytes"]
+    params = model.tensor_type_n_params
+    n_bytes = model.tensor_type_n_bytes
     total_params = sum(params.values())
     shares = ({t: n / total_params for t, n in sorted(params.items(), key=lambda kv: -kv[1])}
               if total_params else {})
     # Runs recorded before the per-type counts existed: llama.cpp's own parameter count.
-    n_params = total_params or model.get("n_params")
+    n_params = total_params or model.n_params
     return {"bits_per_weight": 8 * sum(n_bytes.values()) / n_params if n_params else None,
             "params_share": shares,
             "bytes_share": {t: n / sum(n_bytes.values()) for t, n in n_bytes.items()}}
 
 
-def quant_rows(measurements: list[dict], models: dict) -> list[dict]:
+def quant_rows(measurements: list[Measurement], models: dict[str, Model]) -> list[dict]:
     """Per model and thread count with two or more dtypes: bytes, speeds and speed-ups."""
     # a twin pair is one file's values against random ones, not two types (levers/twins.py)
-    plain = [m for m in measurements if is_plain(m) and m["model_key"] in models
-             and m["dtype"] not in TWIN_PAIR]
+    plain = [m for m in measurements if is_plain(m) and m.model_key in models
+             and m.dtype not in TWIN_PAIR]
     rows = []
-    for group in group_records(plain, lambda m: (m["model"], m["threads"])):
+    for group in group_records(plain, lambda m: (m.model, m.threads)):
         by_dtype: dict[str, dict] = {}
+        keys: dict[str, str] = {}
         for m in group:
-            row = by_dtype.setdefault(m["dtype"], {"model": m["model"], "dtype": m["dtype"],
-                                                   "threads": m["threads"]})
-            if m["n_gen"] and "decode_tok_s" not in row:
-                row["decode_tok_s"], row["_decode"] = m["decode_tok_s"], m
-            if m["n_gen"] == 0 and m.get("prefill_tok_s") and "prefill_tok_s" not in row:
-                row["prefill_tok_s"], row["n_prompt"] = m["prefill_tok_s"], m["n_prompt"]
+            row = by_dtype.setdefault(m.dtype, {"model": m.model, "dtype": m.dtype,
+                                                "threads": m.threads})
+            keys.setdefault(m.dtype, m.model_key)
+            if m.n_gen and "decode_tok_s" not in row:
+                row["decode_tok_s"], row["_decode"] = m.decode_tok_s, m
+            if m.n_gen == 0 and m.prefill_tok_s and "prefill_tok_s" not in row:
+                row["prefill_tok_s"], row["n_prompt"] = m.prefill_tok_s, m.n_prompt
                 row["_prefill"] = m
         if len(by_dtype) < 2:
             continue
         for dtype, row in by_dtype.items():
-            model = models[f"{row['model']}|{dtype}"]
-            row |= {"file_n_bytes": model["weights_n_bytes"],
-                    "bytes_per_token": model["decode_weight_n_bytes"]} | composition(model)
+            model = models[keys[dtype]]
+            row |= {"file_n_bytes": model.weights_n_bytes,
+                    "bytes_per_token": model.decode_weight_n_bytes} | composition(model)
         rows += _speedups(list(by_dtype.values()))
     return rows
 
@@ -74,7 +77,8 @@ def _speedups(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes_per_token"])
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     return {"quant": quant_rows(measurements, models)}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..analysis.ceilings import is_plain
+from ..core.records import Measurement, Model, Probe
 from ..core.stats import center
 from ..render.plotkit import ci_errors, finish, plt
 from ..render.tabular import ABOVE_CEILING_NOTE, Column, Table
@@ -25,52 +26,56 @@ KNEE_TOLERANCE = 0.02  # the knee: the fewest threads within 2% of the best
 
 # --- analysis
 
-def thread_rows(measurements: list[dict], probes: list[dict], analysis: dict) -> list[dict]:
+def thread_rows(measurements: list[Measurement], probes: list[Probe], analysis: dict
+                ) -> list[dict]:
     """Speed-up with threads of each plain prefill and decode measured at two or more counts,
     and how close each came to its own ceiling (from the decode and prefill rows)."""
     # keyed by (id, phase): a prompt-then-decode measurement has a row of each phase
     rows_by_id = {(r["id"], "decode"): (r, r.get("share_of_stream"), r["stream_ceiling"])
-                  for r in analysis.get("decode", [])}
+                  for r in analysis["decode"]}
     rows_by_id |= {(r["id"], "prefill"): (r, r.get("share_of_peak"), r["compute_peak"])
-                   for r in analysis.get("prefill", [])}
+                   for r in analysis["prefill"]}
     rows = []
     for phase, key in (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s")):
-        chosen = [m for m in measurements if is_plain(m) and m.get(key)
-                  and (m["id"], phase) in rows_by_id
-                  and (m["n_gen"] == 0 if phase == "prefill" else m["n_gen"] > 0)]
-        for group in group_records(chosen, lambda m: (m["model_key"], m["n_prompt"], m["n_gen"],
-                                                m["n_batch"], m["n_ubatch"], m["flash_attn"])):
-            if len({m["threads"] for m in group}) >= 2:
+        chosen = [m for m in measurements if is_plain(m) and getattr(m, key)
+                  and (m.id, phase) in rows_by_id
+                  and (m.n_gen == 0 if phase == "prefill" else m.n_gen > 0)]
+        for group in group_records(chosen, lambda m: (m.model_key, m.n_prompt, m.n_gen,
+                                                      m.n_batch, m.n_ubatch, m.flash_attn)):
+            if len({m.threads for m in group}) >= 2:
                 rows += _thread_group(phase, key, group, rows_by_id)
     return rows
 
 
-def _thread_group(phase: str, key: str, group: list[dict], rows_by_id: dict) -> list[dict]:
-    group.sort(key=lambda m: m["threads"])
+def _thread_group(phase: str, key: str, group: list[Measurement], rows_by_id: dict
+                  ) -> list[dict]:
+    group.sort(key=lambda m: m.threads)
     base = group[0]
-    best = max(median_of(m[key]) for m in group)
-    knee = next(m["threads"] for m in group if median_of(m[key]) >= (1 - KNEE_TOLERANCE) * best)
-    base_ceiling = rows_by_id[(base["id"], phase)][2]["value"]
+    best = max(median_of(getattr(m, key)) for m in group)
+    knee = next(m.threads for m in group
+                if median_of(getattr(m, key)) >= (1 - KNEE_TOLERANCE) * best)
+    base_ceiling = rows_by_id[(base.id, phase)][2]["value"]
     out = []
     for m in group:
         ratio = round_ratio(m, base, phase)
         speedup = center(ratio)
-        _, share, ceiling = rows_by_id[(m["id"], phase)]
+        _, share, ceiling = rows_by_id[(m.id, phase)]
         c = ceiling["value"]
-        out.append({"phase": phase, "id": m.get("id"), "model": m["model"], "dtype": m["dtype"],
-                    "n_prompt": m["n_prompt"], "n_gen": m["n_gen"], "threads": m["threads"],
-                    "tok_s": m[key], "speedup": speedup, "speedup_ci": ratio,
-                    "base_threads": base["threads"],
-                    "efficiency": speedup * base["threads"] / m["threads"],
+        out.append({"phase": phase, "id": m.id, "model": m.model, "dtype": m.dtype,
+                    "n_prompt": m.n_prompt, "n_gen": m.n_gen, "threads": m.threads,
+                    "tok_s": getattr(m, key), "speedup": speedup, "speedup_ci": ratio,
+                    "base_threads": base.threads,
+                    "efficiency": speedup * base.threads / m.threads,
                     "ceiling": "compute_gflop_s" if phase == "prefill" else "stream_gb_s",
                     "ceiling_value": c, "share_of_ceiling": share,
                     "ceiling_speedup": c / base_ceiling if c and base_ceiling else None,
-                    "knee": m["threads"] == knee, "knee_threads": knee,
-                    "n_thread_counts": len(group), "flags": m["flags"]})
+                    "knee": m.threads == knee, "knee_threads": knee,
+                    "n_thread_counts": len(group), "flags": m.flags})
     return out
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     return {"threads": thread_rows(measurements, probes, phases)}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.records import Measurement, Model, Probe
 from ..core.rounds import PAIRING_FIELDS
 from ..core.stats import decide
 from ..engine.scenario import RANDOM_KINDS, TWIN_PAIR
@@ -22,14 +23,14 @@ _SETTINGS = tuple(f for f in PAIRING_FIELDS if f != "dtype")  # what a pair shar
 # --- analysis
 
 
-def twin_rows(measurements: list[dict], models: dict) -> list[dict]:
+def twin_rows(measurements: list[Measurement], models: dict[str, Model]) -> list[dict]:
     """random ÷ real tok/s per phase for every cell measured on the real file and on a
     random-weight stand-in (its twin, the spec-built file), with its interval and the verdict
     on ±TOLERANCE."""
     by_key: dict[tuple, dict] = {}
     for m in measurements:
-        if m.get("dtype") in TWIN_PAIR:
-            by_key.setdefault(tuple(m.get(k) for k in _SETTINGS), {})[m["dtype"]] = m
+        if m.dtype in TWIN_PAIR:
+            by_key.setdefault(tuple(getattr(m, k) for k in _SETTINGS), {})[m.dtype] = m
     rows = []
     for pair in by_key.values():
         real = pair.get("real")
@@ -39,27 +40,34 @@ def twin_rows(measurements: list[dict], models: dict) -> list[dict]:
     return rows
 
 
-def _pair_rows(real: dict, other: dict, kind: str, models: dict) -> list[dict]:
+def _pair_rows(real: Measurement, other: Measurement, kind: str, models: dict[str, Model]
+               ) -> list[dict]:
     rows = []
     for phase in PHASES:
         ratio = round_ratio(other, real, phase)
         if ratio is None:
             continue
         ci = ratio.get("median_ci95")
-        rows.append({"model": real["model"], "random": kind, "threads": real["threads"],
-                     "phase": phase, "n_prompt": real["n_prompt"], "n_gen": real["n_gen"],
+        rows.append({"model": real.model, "random": kind, "threads": real.threads,
+                     "phase": phase, "n_prompt": real.n_prompt, "n_gen": real.n_gen,
                      "ratio": ratio, "n_pairs": ratio["n"],
                      "per_round": ratio.get("per_round") or [],
                      "verdict": decide(ci, 1 - TOLERANCE, 1 + TOLERANCE),
-                     "calibration": (models.get(other["model_key"]) or {}).get("calibration"),
-                     "mmap": {True: "on", False: "off"}.get(
-                         (models.get(real["model_key"]) or {}).get("mmap")),
-                     "huge_mapped": [(models.get(x["model_key"]) or {}).get(
-                         "huge_mapped_n_bytes") for x in (real, other)]})
+                     "calibration": _of(models, other, "calibration"),
+                     "mmap": {True: "on", False: "off"}.get(_of(models, real, "mmap")),
+                     "huge_mapped": [_of(models, x, "huge_mapped_n_bytes")
+                                     for x in (real, other)]})
     return rows
 
 
-def analyze(measurements: list[dict], models: dict, probes: list[dict], phases: dict) -> dict:
+def _of(models: dict[str, Model], m: Measurement, field: str):
+    """A field of the model record m was measured on (None for a model the run lost)."""
+    model = models.get(m.model_key)
+    return getattr(model, field) if model else None
+
+
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            phases: dict) -> dict:
     return {"twins": twin_rows(measurements, models)}
 
 

@@ -58,8 +58,8 @@ def other_context(m_id: str, rec) -> str | None:
     recorded): never paired, but named so the reader knows why it is missing."""
     bare = _CTX.sub("", m_id)
     for x in rec.measurements:
-        if x["id"] != m_id and _CTX.sub("", x["id"]) == bare:
-            found = _CTX.search(x["id"])
+        if x.id != m_id and _CTX.sub("", x.id) == bare:
+            found = _CTX.search(x.id)
             return f"n_ctx {found.group(1)}" if found else "n_ctx not recorded"
     return None
 
@@ -71,16 +71,16 @@ def compare_runs(runs: list[tuple[str, object]], analyses: list[dict] | None = N
     rows = []
     for m in base.measurements:
         for metric in ("prefill_tok_s", "decode_tok_s"):
-            a = m.get(metric)
+            a = getattr(m, metric)
             if not a:
                 continue
-            row = {"id": m["id"], "metric": metric, base_name: a, "others": []}
+            row = {"id": m.id, "metric": metric, base_name: a, "others": []}
             for name, rec in runs[1:]:
-                other = next((x for x in rec.measurements if x["id"] == m["id"]), None)
-                b = (other or {}).get(metric)
+                other = next((x for x in rec.measurements if x.id == m.id), None)
+                b = getattr(other, metric) if other else None
                 if not b:
                     row["others"].append({"run": name, "summary": None,
-                                          "other_context": other_context(m["id"], rec)})
+                                          "other_context": other_context(m.id, rec)})
                     continue
                 ratio = unpaired(b, a)
                 row["others"].append({"run": name, "summary": b, "ratio": ratio,
@@ -88,7 +88,8 @@ def compare_runs(runs: list[tuple[str, object]], analyses: list[dict] | None = N
             rows.append(row)
     env_diff = {}
     for key in ENV_KEYS + ("llama",):
-        values = [str((rec.header or {}).get("env", {}).get(key)) for _, rec in runs]
+        values = [str(((rec.header.env if rec.header else None) or {}).get(key))
+                  for _, rec in runs]
         if len(set(values)) > 1:
             env_diff[key] = values
     return {"runs": [n for n, _ in runs], "rows": rows, "env_differences": env_diff,

@@ -7,7 +7,7 @@ from pathlib import Path
 from ..core.errors import HarnessError
 from ..engine.build import write_text_atomically
 from ..engine.results import RESULTS_FILE, read_records
-from .analyze import ANALYSIS_VERSION, analyze_records
+from ..study.analyze import analyze_records
 from .page import render_csv, render_json, render_markdown, report_data
 
 FORMATS = ("md", "csv", "json")
@@ -27,12 +27,8 @@ def load_run(ref: Path):
 
 
 def analysis_of(records) -> dict:
-    """The stored analysis when the run finished, else one computed from what was measured."""
-    complete = records.analyses and records.analyses[-1]["seq"] > max(
-        (m["seq"] for m in records.measurements), default=0)
-    # An analysis stored by an older harness lacks newer fields: recompute it (it is pure).
-    current = complete and records.analyses[-1].get("version") == ANALYSIS_VERSION
-    return records.analyses[-1] if current else analyze_records(records)
+    """The run's analysis, computed from what was measured (complete or not)."""
+    return analyze_records(records)
 
 
 def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
@@ -92,7 +88,7 @@ def write_gallery(paths: list[Path], out_dir: Path, reference_file: Path | None)
     runs = []
     for run in run_dirs(paths):
         directory, records = load_run(run)
-        runs.append((directory.name, records.header.get("env") or {}, analysis_of(records)))
+        runs.append((directory.name, records.header.env or {}, analysis_of(records)))
     data = gallery_data(runs, reference)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot = rule_of_thumb_plot(data, out_dir)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 
-from ..core.reference import check_claims
+from ..core.records import to_dict
 from ..core.stats import center, inverse
 from ..levers.common import threads_label
 from ..levers.twins import twin_table
 from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
+from ..study.claims import check_claims
 from .findings import findings, main_model, rows_of
 from .page import (
     ceilings_table,
@@ -42,14 +43,15 @@ PLOT_CAPTIONS = {
 
 def lesson_data(records, analysis: dict, reference: dict | None) -> dict:
     """Everything the page shows, as plain data."""
-    header = records.header or {}
-    env = header.get("env", {})
+    header = records.header
+    env = header.env or {}
     main = main_model(analysis)
-    return {"scenario": header.get("scenario", {}), "env": env,
-            "created": header.get("created"), "analysis": analysis, "main": main,
+    return {"scenario": header.scenario or {}, "env": env,
+            "created": header.created, "analysis": analysis, "main": main,
             "reference": reference,
             "claims": check_claims(reference, analysis, env) if reference else [],
-            "measurements": records.measurements, "failures": records.failures,
+            "measurements": records.measurements,
+            "failures": [to_dict(f) for f in records.failures],
             "records": records}
 
 

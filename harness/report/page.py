@@ -8,7 +8,8 @@ import json
 from collections import Counter
 
 from ..analysis.estimates import HARDWARE
-from ..core.reference import check_claims, reference_from_header
+from ..core.records import Measurement, Probe, to_dict
+from ..core.reference import reference_from_header
 from ..core.stats import center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
 from ..levers.common import threads_label
@@ -20,6 +21,7 @@ from ..render.tabular import (
     markdown_table,
     notes_for,
 )
+from ..study.claims import check_claims
 from .findings import findings, main_model
 from .tables import test_label
 
@@ -31,7 +33,7 @@ PLOTS = {
 } | PLOT_CAPTIONS
 
 
-def prefill_table(measurements: list[dict], analysis: dict) -> Table:
+def prefill_table(analysis: dict) -> Table:
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
              "n_prompt": r["n_prompt"], "seconds": r["seconds"], "tok_s": r["tok_s"],
              "gflop_s": r["gflop_s"], "peak": r["compute_peak"]["value"],
@@ -58,7 +60,7 @@ def prefill_table(measurements: list[dict], analysis: dict) -> Table:
         Column("notes", "notes")], rows, notes)
 
 
-def decode_table(measurements: list[dict], analysis: dict) -> Table:
+def decode_table(analysis: dict) -> Table:
     rows = []
     for r in analysis["decode"]:
         rows.append({"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
@@ -188,17 +190,17 @@ def stability_lines(st: dict) -> list[str]:
     return out
 
 
-def repetitions_table(measurements: list[dict]) -> Table:
+def repetitions_table(measurements: list[Measurement]) -> Table:
     """How each interleaved cell ended: its repetitions, why it stopped, the CI it reached."""
     words = {"target": "reached its CI target", "budget": "time budget", "max":
              "max_repetitions", "fixed": "fixed count",
              "alone": "min_repetitions (in no contrast)"}
-    rows = [{"cell": f"{m['model']} {m['dtype']} t{m['threads']} {test_label(m)}",
-             "n": m["repetitions"], "stopped": words.get(m["stopped_by"], m["stopped_by"]),
-             "target": (m.get("policy") or {}).get("target_ci")
-             if (m.get("policy") or {}).get("repetitions") is None else None,
-             "reached": m.get("ci_reached")} for m in measurements if m.get("stopped_by")]
-    on = {m.get("target", "absolute") for m in measurements if m.get("stopped_by")}
+    rows = [{"cell": f"{m.model} {m.dtype} t{m.threads} {test_label(m)}",
+             "n": m.repetitions, "stopped": words.get(m.stopped_by, m.stopped_by),
+             "target": (m.policy or {}).get("target_ci")
+             if (m.policy or {}).get("repetitions") is None else None,
+             "reached": m.ci_reached} for m in measurements if m.stopped_by]
+    on = {m.target or "absolute" for m in measurements if m.stopped_by}
     judged = ("the widest 95% interval of its contrasts with the cells it differs from in one "
               "setting (its own figure's where it has none), relative" if "contrasts" in on
               else "the half-width of the 95% interval of its median, relative to it")
@@ -455,26 +457,24 @@ def system_info_cell(info: str | None) -> str:
 
 def missing(records) -> list[str]:
     done = records.measured_ids
-    return [i for i in (records.header or {}).get("plan", []) if i not in done]
+    return [i for i in (records.header.plan if records.header else []) if i not in done]
 
 
 def report_data(records, analysis: dict) -> dict:
     """Everything a report shows, as plain data."""
-    header = records.header or {}
-    tables = [prefill_table(records.measurements, analysis),
-              decode_table(records.measurements, analysis), ceilings_table(analysis)]
+    header = records.header
+    tables = [prefill_table(analysis), decode_table(analysis), ceilings_table(analysis)]
     tables += decode_model_table(analysis) + prefill_model_table(analysis)
     tables += [workloads_table(analysis)] + estimates_table(analysis)
     tables += [repetitions_table(records.measurements)]
     tables += lever_tables(analysis)
-    reference = reference_from_header(header)
-    claims = check_claims(reference, analysis, header.get("env", {})) if reference else []
+    reference = reference_from_header(records.header)
+    claims = check_claims(reference, analysis, header.env or {}) if reference else []
     found = findings({"analysis": analysis, "main": main_model(analysis), "claims": []})
-    return {"findings": found, "scenario": header.get("scenario", {}),
-            "env": header.get("env", {}),
-            "created": header.get("created"), "harness": header.get("harness"),
+    return {"findings": found, "scenario": header.scenario or {}, "env": header.env or {},
+            "created": header.created, "harness": header.harness,
             "tables": [t for t in tables if t.rows], "fits": analysis["fits"],
-            "missing": missing(records), "failures": records.failures,
+            "missing": missing(records), "failures": [to_dict(f) for f in records.failures],
             "n_measurements": len(records.measurements),
             "method": method_text(records),
             "contrasts": analysis.get("contrasts", []), "claims": claims,
@@ -547,10 +547,10 @@ def method_text(records) -> str:
     return " ".join(t for t in parts if t)
 
 
-def _cache_sentence(ms: list[dict]) -> str:
-    warmups = sorted({m.get("warmup", 0) for m in ms})
-    depth = sum(1 for m in ms if m.get("depth"))
-    prefix = sum(1 for m in ms if m.get("shared_prefix"))
+def _cache_sentence(ms: list[Measurement]) -> str:
+    warmups = sorted({m.warmup for m in ms})
+    depth = sum(1 for m in ms if m.depth)
+    prefix = sum(1 for m in ms if m.shared_prefix)
     text = ("The KV cache is cleared before every repetition"
             + (f" ({depth} cell{'s' if depth != 1 else ''} then fill it to their depth, "
                "untimed" if depth else "")
@@ -568,8 +568,8 @@ def _rounds_sentence(records) -> str:
     rounds = records.rounds
     if not rounds:
         return ""
-    sizes = [len(r.get("order") or []) for r in rounds]
-    reasons = Counter(m.get("stopped_by") for m in records.measurements if m.get("stopped_by"))
+    sizes = [len(r.order) for r in rounds]
+    reasons = Counter(m.stopped_by for m in records.measurements if m.stopped_by)
     words = {"target": "reached {} target", "budget": "stopped at the time budget",
              "max": "stopped at max_repetitions", "fixed": "ran {} fixed count",
              "alone": "stopped at min_repetitions, in no contrast the report draws"}
@@ -580,15 +580,15 @@ def _rounds_sentence(records) -> str:
             f"cells, each in an order shuffled per round; of its cells, {ended}.")
 
 
-def _probe_sentence(probes: list[dict]) -> str:
-    full = [p for p in probes if p.get("when") in ("before", "after") and p.get("result")]
-    beside = [p for p in probes if p.get("when") == "beside" and p.get("result")]
+def _probe_sentence(probes: list[Probe]) -> str:
+    full = [p for p in probes if p.when in ("before", "after") and p.result]
+    beside = [p for p in probes if p.when == "beside" and p.result]
     if not full and not beside:
         return "No ceilings were measured (the probes failed or did not run)."
     passes = sorted({len(x) for p in beside for x in _pass_counts(p)})
     text = (f"The ceilings are measured by the run itself with llama.cpp's own ggml kernels: "
             f"{len(full)} full probe{'s' if len(full) != 1 else ''} "
-            f"({', '.join(p['when'] for p in full)} the measurements)")
+            f"({', '.join(p.when for p in full)} the measurements)")
     if beside:
         text += (f", and {len(beside)} beside the cells, one before each round, of the thread "
                  "counts and tensor types that round needs"
@@ -600,17 +600,17 @@ def _probe_sentence(probes: list[dict]) -> str:
                        "; each share is a median ÷ the ceilings nearest it."))
 
 
-def _pass_counts(probe: dict) -> list[list]:
+def _pass_counts(probe: Probe) -> list[list]:
     out = []
-    for entry in ((probe.get("result") or {}).get("threads") or {}).values():
+    for entry in ((probe.result or {}).get("threads") or {}).values():
         for by_type in (entry.get("ggml") or {}).values():
             out += [v for k, v in by_type.items() if "samples" in k and isinstance(v, list)]
     return out
 
 
-def context_sentence(measurements: list[dict]) -> str:
+def context_sentence(measurements: list[Measurement]) -> str:
     """How this run sized its contexts, from its records."""
-    sizes = Counter(m.get("n_ctx") for m in measurements)
+    sizes = Counter(m.n_ctx for m in measurements)
     old = sizes.pop(None, 0)
     out = []
     if sizes:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..analysis.ceilings import is_plain
 from ..analysis.phases import longest_decodes
+from ..core.records import Measurement
 from ..core.stats import center
 from ..levers import write_lever_plots
 from ..render.plotkit import ci_errors, plain_log2, plain_log_x, plain_log_y, plt, save
@@ -73,29 +74,29 @@ def _published_points(reference: dict | None) -> list[tuple[float, float, str]]:
     return out
 
 
-def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
+def prefill_vs_prompt(measurements: list[Measurement], out_dir: Path) -> str | None:
     """Time per token of prefill at each prompt length, with the same model's decode as a
     line: both phases on one log-log axis, error bars from the medians' CIs."""
-    rows = [m for m in measurements if m["n_gen"] == 0 and m.get("prefill_tok_s") and is_plain(m)]
-    if len({m["n_prompt"] for m in rows}) < 2:
+    rows = [m for m in measurements if m.n_gen == 0 and m.prefill_tok_s and is_plain(m)]
+    if len({m.n_prompt for m in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     ratios = []
-    for key in sorted({(m["model"], m["dtype"], m["threads"]) for m in rows}):
-        group = sorted((m for m in rows if (m["model"], m["dtype"], m["threads"]) == key),
-                       key=lambda m: m["n_prompt"])
+    for key in sorted({(m.model, m.dtype, m.threads) for m in rows}):
+        group = sorted((m for m in rows if (m.model, m.dtype, m.threads) == key),
+                       key=lambda m: m.n_prompt)
         if len(group) < 2:
             continue
-        n = [m["n_prompt"] for m in group]
-        ms = [1000 / center(m["prefill_tok_s"]) for m in group]
+        n = [m.n_prompt for m in group]
+        ms = [1000 / center(m.prefill_tok_s) for m in group]
         err = [[1000 / c[1] for c in _cis(group)], [1000 / c[0] for c in _cis(group)]]
         line = ax.errorbar(n, ms, yerr=[[m - lo for m, lo in zip(ms, err[0], strict=True)],
                                         [hi - m for m, hi in zip(ms, err[1], strict=True)]],
                            fmt="o-", capsize=4, label=f"{key[0]} {key[1]}: prefill")[0]
-        dec = [m for m in measurements if m["n_gen"] and is_plain(m) and m.get("decode_tok_s")
-               and (m["model"], m["dtype"], m["threads"]) == key]
+        dec = [m for m in measurements if m.n_gen and is_plain(m) and m.decode_tok_s
+               and (m.model, m.dtype, m.threads) == key]
         if dec:
-            d_ms = 1000 / center(dec[0]["decode_tok_s"])
+            d_ms = 1000 / center(dec[0].decode_tok_s)
             ax.axhline(d_ms, ls="--", color=line.get_color(),
                        label=f"{key[0]} {key[1]}: decode, {d_ms:.0f} ms per token")
             ratios.append(d_ms / ms[0])
@@ -112,31 +113,32 @@ def prefill_vs_prompt(measurements: list[dict], out_dir: Path) -> str | None:
     return save(fig, out_dir, "prefill_vs_prompt")
 
 
-def _cis(group: list[dict]) -> list[list[float]]:
+def _cis(group: list[Measurement]) -> list[list[float]]:
     out = []
     for m in group:
-        s = m["prefill_tok_s"]
+        s = m.prefill_tok_s
         out.append(s.get("median_ci95") or [center(s), center(s)])
     return out
 
 
-def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) -> str | None:
-    rows = [m for m in measurements if m["n_gen"]][:limit]
+def decode_per_token(measurements: list[Measurement], out_dir: Path, limit: int = 6
+                     ) -> str | None:
+    rows = [m for m in measurements if m.n_gen][:limit]
     if not rows:
         return None
     fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.2 * len(rows)), squeeze=False)
     for ax, m in zip(axes[:, 0], rows, strict=True):
         step = 0
-        for warm in m["warmup_samples"]["decode_s"]:
+        for warm in m.warmup_samples["decode_s"]:
             ax.plot(range(step, step + len(warm)), [1000 * t for t in warm], color="0.7", lw=1)
             step += len(warm)
-        for rep in m["samples"]["decode_s"]:
+        for rep in m.samples["decode_s"]:
             ax.plot(range(step, step + len(rep)), [1000 * t for t in rep], lw=1)
             ax.axvline(step, color="0.85", lw=0.5)
             step += len(rep)
-        ax.set_title(f"{m['model']} {m['dtype']}, {m['threads']} threads, "
-                     f"{m['n_gen']} tokens after {m['n_prompt']}" + _levers_label(m), fontsize=9)
-        ax.set_ylabel("ms/step" if m.get("parallel", 1) > 1 else "ms/token")
+        ax.set_title(f"{m.model} {m.dtype}, {m.threads} threads, "
+                     f"{m.n_gen} tokens after {m.n_prompt}" + _levers_label(m), fontsize=9)
+        ax.set_ylabel("ms/step" if m.parallel > 1 else "ms/token")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("decode step (warm-ups grey, then each repetition)")
@@ -144,15 +146,15 @@ def decode_per_token(measurements: list[dict], out_dir: Path, limit: int = 6) ->
     return save(fig, out_dir, "decode_per_token")
 
 
-def _levers_label(m: dict) -> str:
-    parts = [f"depth {m['depth']:,}" if m.get("depth") else "",
-             f"KV {m['kv_type']}" if m.get("kv_type", "f16") != "f16" else "",
-             f"{m['parallel']} sequences" if m.get("parallel", 1) > 1 else ""]
+def _levers_label(m: Measurement) -> str:
+    parts = [f"depth {m.depth:,}" if m.depth else "",
+             f"KV {m.kv_type}" if m.kv_type != "f16" else "",
+             f"{m.parallel} sequences" if m.parallel > 1 else ""]
     parts = [p for p in parts if p]
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def write_plots(measurements: list[dict], analysis: dict, out_dir: Path,
+def write_plots(measurements: list[Measurement], analysis: dict, out_dir: Path,
                 reference: dict | None = None) -> list[str]:
     """Write every plot the data supports; return the PNG names, relative to out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,10 +16,16 @@ from pathlib import Path
 
 from harness import fleet
 from harness.cli import main
+from harness.core.records import NodeFailure, Resume
 from harness.engine.results import RunWriter, read_records
 
 LOOPBACK = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
 
+
+
+def finished(records) -> bool:
+    """A run wrote its last record: the probe after the measurements."""
+    return any(p.when == "after" for p in records.probes)
 
 def start_cluster(labels: list[str]):
     """A head node and a worker per further label, one CPU each, all on 127.0.0.1."""
@@ -47,7 +53,7 @@ def harness(*args: str) -> tuple[int, str]:
 
 def complete(run_dir: Path, n: int) -> bool:
     records = read_records(run_dir / "results.jsonl")
-    return len(records.measured_ids) == n and bool(records.analyses)
+    return len(records.measured_ids) == n and finished(records)
 
 
 def case_local(tmp: Path, scenario: Path) -> None:
@@ -139,9 +145,9 @@ def case_fault_and_resume(tmp: Path, scenario: Path) -> None:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1, err
         records = read_records(b)
-        failure = [r for r in records.other if r.get("type") == "node_failure"]
-        assert failure and failure[0]["status"] == "failed", err
-        assert len(records.repetitions) >= kept and not records.analyses
+        failure = records.of_type(NodeFailure)
+        assert failure and failure[0].status == "failed", err
+        assert len(records.repetitions) >= kept and not finished(records)
         assert complete(out / "lab-a", 2), err
         assert "--resume" in err and "did not finish" in err
         print(f"removed lab-b after {kept} repetition(s); the driver said:")
@@ -155,7 +161,7 @@ def case_fault_and_resume(tmp: Path, scenario: Path) -> None:
         assert complete(out / "lab-b", 2) and complete(out / "lab-a", 2)
         resumed = read_records(b)
         assert len(resumed.repetitions) >= len(records.repetitions)
-        assert any(r.get("type") == "resume" for r in resumed.other)
+        assert resumed.of_type(Resume)
     finally:
         cluster.shutdown()
 
@@ -177,7 +183,7 @@ def case_interrupt(tmp: Path, scenario: Path) -> None:
     assert proc.returncode == 130, (proc.returncode, err)
     assert "interrupted" in err and "--resume" in err, err
     kept = read_records(results)
-    assert kept.repetitions and not kept.analyses
+    assert kept.repetitions and not finished(kept)
     (status,) = json.loads((out / "fleet.json").read_text())["nodes"].values()
     assert status["status"] == "cancelled", status
     print(f"interrupted after {len(kept.repetitions)} repetition(s)")
@@ -241,9 +247,9 @@ def writer_failure(tmp: Path, scenario: Path, cluster) -> None:
     assert "written before are kept" in err, err
     assert len(cancelled) == 1, cancelled
     kept = read_records(out / "lab-b" / "results.jsonl")
-    assert kept.header and not kept.repetitions and not kept.analyses
-    (failure,) = [r for r in kept.other if r.get("type") == "node_failure"]
-    assert failure["status"] == "failed" and "cancelled" in failure["error"]
+    assert kept.header and not kept.repetitions and not finished(kept)
+    (failure,) = kept.of_type(NodeFailure)
+    assert failure.status == "failed" and "cancelled" in failure.error
     assert complete(out / "lab-a", 2), err
     print("\n".join(line for line in err.splitlines() if line.startswith("[lab-b] failed")))
 

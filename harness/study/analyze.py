@@ -1,7 +1,9 @@
-"""The analysis record of a run: the two phases, the machine, the estimates, and every lever
-in the registry. Recomputed whenever a report is rendered from stored records."""
+"""The analysis of a run: the two phases, the machine, the estimates, and every lever in the
+registry. A pure function of the typed records, recomputed on every read (never stored)."""
 
 from __future__ import annotations
+
+import msgspec
 
 from ..analysis.ceilings import round_rates
 from ..analysis.estimates import predictions, workload_balance
@@ -15,17 +17,15 @@ from ..analysis.phases import (
     prompt_contrasts,
 )
 from ..core.errors import HarnessError
+from ..core.records import Grouping, Measurement, Model, Probe, Round
 from ..core.specs import ModelSpec, all_specs
 from ..core.stats import machine_drift
 from ..engine.noise import NOISY_CORES
 from ..levers import analyze_levers
 
-# Bump when the analysis gains or changes fields: reports recompute older stored analyses.
-ANALYSIS_VERSION = 21
 
-
-def analyze(measurements: list[dict], models: dict, probes: list[dict],
-            specs: dict | None = None, rounds: list[dict] | None = None,
+def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
+            specs: dict | None = None, rounds: list[Round] | None = None,
             noisy_cores: float = 0.10, ram_bytes: int | None = None) -> dict:
     """Everything the rule-of-thumb section of a report shows."""
     decode = decode_rows(measurements, models, probes)
@@ -33,10 +33,10 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
     fits = fit_verdicts(decode)
     levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
     mm = machine_model(decode, prefill, models, probes, ram_bytes)
-    run_models = list(dict.fromkeys(m["model"] for m in measurements))
-    run_dtypes = list(dict.fromkeys(m["dtype"] for m in measurements))
+    run_models = list(dict.fromkeys(m.model for m in measurements))
+    run_dtypes = list(dict.fromkeys(m.dtype for m in measurements))
     out = levers | {
-        "type": "analysis", "version": ANALYSIS_VERSION, "ceilings": ceilings_summary(probes),
+        "ceilings": ceilings_summary(probes),
         "probe_errors": probe_errors(probes),
         "decode": decode, "fits": fits, "prefill": prefill,
         "prompt_lengths": prompt_contrasts(prefill),
@@ -45,7 +45,7 @@ def analyze(measurements: list[dict], models: dict, probes: list[dict],
         "workloads": workload_balance(prefill, decode, levers.get("kv_depth", []), mm),
         "stability": stability(measurements, rounds or [], noisy_cores),
         "phase_use": phase_use(decode, prefill, models),
-        "machine_drift": machine_drift([round_rates(m, "decode" if m.get("decode_tok_s")
+        "machine_drift": machine_drift([round_rates(m, "decode" if m.decode_tok_s
                                                     else "prefill") for m in measurements]),
     }
     return out | {"contrasts": collect_contrasts(out)}
@@ -79,20 +79,21 @@ def analyze_records(records) -> dict:
     except HarnessError:
         specs = {}
     for model in records.models.values():  # the run's own specs (a given file's included)
-        if model.get("spec"):
-            specs.setdefault(model["model"], ModelSpec(**model["spec"]))
-    env = (records.header or {}).get("env") or {}
-    return analyze(with_ram_groups(records.measurements, records.other), records.models,
-                   records.probes, specs, records.rounds, NOISY_CORES,
+        if model.spec:
+            specs.setdefault(model.model, ModelSpec(**model.spec))
+    env = (records.header.env if records.header else None) or {}
+    return analyze(with_ram_groups(records.measurements, records.of_type(Grouping)),
+                   records.models, records.probes, specs, records.rounds, NOISY_CORES,
                    env.get("ram_total_bytes"))
 
 
-def with_ram_groups(measurements: list[dict], other: list[dict]) -> list[dict]:
+def with_ram_groups(measurements: list[Measurement], grouping: list[Grouping]
+                    ) -> list[Measurement]:
     """Each measurement with the index of the RAM group it was measured in (0 when the run
     had one): only cells of one group ran side by side, and runs before rounds ran on across
     groups numbered each group's rounds from 0, so pairing by round needs the group too."""
-    grouping = [r for r in other if r.get("type") == "grouping"]
     if not grouping:
         return measurements
-    group_of = {key: i for i, keys in enumerate(grouping[-1]["groups"]) for key in keys}
-    return [m | {"ram_group": group_of.get(m["model_key"], 0)} for m in measurements]
+    group_of = {key: i for i, keys in enumerate(grouping[-1].groups) for key in keys}
+    return [msgspec.structs.replace(m, ram_group=group_of.get(m.model_key, 0))
+            for m in measurements]

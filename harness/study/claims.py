@@ -1,0 +1,264 @@
+"""The claims of a scenario's `reference:` block (harness.core.reference) checked against a
+run's analysis, so "holds" is decided by data."""
+
+from __future__ import annotations
+
+from ..core.reference import CLAIM_TESTS
+from ..core.stats import center, contrast, decide, row_blocks, scaled, unpaired
+
+# --- checking the claims -------------------------------------------------------------------
+
+def check_claims(reference: dict, analysis: dict, env: dict) -> list[dict]:
+    """Each claim with what this run measured and whether it holds, decided by its test."""
+    out = []
+    for claim in reference.get("claims", []):
+        result = CHECKS[claim["test"]](claim, analysis, env)
+        out.append({"claim": claim["claim"], "published": claim.get("published", ""),
+                    "test": CLAIM_TESTS[claim["test"]][1]} | result)
+    return out
+
+
+def _not_measured(why: str) -> dict:
+    return {"verdict": "not measured", "measured": "–", "why": why}
+
+
+def _size_rows(analysis: dict) -> list[dict]:
+    """The decode rows the fit at the most threads compared (one per model, one weight type),
+    smallest first; the F32 decode rows of runs stored before fits named their rows."""
+    fit = max(analysis.get("fits") or [], key=lambda f: f["threads"], default=None)
+    if fit and fit.get("ids"):
+        rows = [r for r in analysis["decode"] if r["id"] in fit["ids"]]
+    else:
+        rows = [r for r in analysis["decode"] if r["dtype"] == "f32"] or analysis["decode"]
+        threads = max((r["threads"] for r in rows), default=None)
+        rows = [r for r in rows if r["threads"] == threads]
+    return sorted(rows, key=lambda r: r["bytes_per_token"])
+
+
+def _ci_text(c: dict | None, digits: int = 2, pct: bool = False) -> str:
+    """A ratio with its 95% interval in brackets (none when it has none)."""
+    if not c:
+        return "–"
+    ci = c.get("median_ci95")
+
+    def f(x: float) -> str:
+        return f"{x:.0%}" if pct else f"{x:.{digits}f}×"
+
+    return f(center(c)) + (f" [{f(ci[0])}–{f(ci[1])}]" if ci else " (no interval)")
+
+
+def _over(c: dict | None, factor: float) -> dict | None:
+    """A ratio divided by a constant (measured ÷ predicted)."""
+    return scaled(c, 1 / factor) if c else None
+
+
+def combine(verdicts: list[str]) -> str:
+    """Parts of one claim: it holds when every part holds, does not when one does not."""
+    if "does not hold" in verdicts:
+        return "does not hold"
+    return "holds" if all(v == "holds" for v in verdicts) else "undecided"
+
+
+def needed(c: dict, low: float | None, high: float | None) -> str:
+    """The precision that would decide an undecided ratio: its distance to the nearer edge."""
+    mid = center(c)
+    edges = [e for e in (low, high) if e is not None]
+    gap = min(abs(mid - e) for e in edges) / mid
+    return f"±{gap:.1%} or better would decide it" if gap > 0 else "it sits on the edge"
+
+
+def _verdict(parts: list[tuple[str, dict | None, float | None, float | None]]) -> dict:
+    """Each part: (what, its ratio, the low and high edge it must lie within)."""
+    verdicts = [decide((c or {}).get("median_ci95"), lo, hi) for _, c, lo, hi in parts]
+    out = {"verdict": combine(verdicts)}
+    if out["verdict"] == "undecided":
+        open_parts = [f"{what}: {needed(c, lo, hi)}" for (what, c, lo, hi), v
+                      in zip(parts, verdicts, strict=True) if v == "undecided" and c]
+        out["undecided_because"] = ("the interval straddles the tolerance (" +
+                                    "; ".join(open_parts) + ")")
+    out["contrasts"] = [{"what": what, "ratio": center(c), "ci95": (c or {}).get("median_ci95"),
+                         "low": lo, "high": hi, "verdict": v}
+                        for (what, c, lo, hi), v in zip(parts, verdicts, strict=True)]
+    return out
+
+
+def _decode_follows_bytes(claim: dict, analysis: dict, env: dict) -> dict:
+    fit = max(analysis.get("fits") or [], key=lambda f: f["threads"], default=None)
+    pairs = (fit or {}).get("size_contrasts") or []
+    if not pairs:
+        return _not_measured("needs decode of two model sizes")
+    tol = claim["tolerance"]
+    parts, text = [], []
+    for c in pairs:
+        of = _over(c, c["predicted"])
+        parts.append((f"{c['big']} ÷ {c['small']}", of, 1 - tol, 1 + tol))
+        text.append(f"{c['big']} reads {c['bytes_ratio']:.2f}× the bytes of {c['small']} and "
+                    f"decodes at {_ci_text(c)} its speed (bytes predict {c['predicted']:.2f}×"
+                    f"; measured ÷ predicted {_ci_text(of)})")
+    worst = max(abs(center(of) - 1) for _, of, _, _ in parts)
+    out = _verdict(parts)
+    return out | {"measured": "; ".join(text), "tolerance": tol,
+                  "why": f"every pair of sizes, each within ±{tol:.0%} with its interval "
+                         f"(largest miss {worst:.0%})" + _undecided(out)}
+
+
+def _undecided(out: dict) -> str:
+    return f"; undecided: {out['undecided_because']}" if "undecided_because" in out else ""
+
+
+def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
+    use = analysis.get("phase_use") or []
+    pre = next((u for u in use if u["phase"] == "prefill" and u.get("compute_share")), None)
+    dec = next((u for u in use if u["phase"] == "decode" and u.get("stream_share")), None)
+    if not pre or not dec:
+        return _not_measured("needs prefill and decode with their ceilings measured")
+    need = claim["min_share"]
+    pre_c = pre.get("compute_share_ci") or {"n": 1, "median": pre["compute_share"]}
+    dec_c = dec.get("stream_share_ci") or {"n": 1, "median": dec["stream_share"]}
+    out = _verdict([("prefill's share of the compute peak", pre_c, need, None),
+                    ("decode's share of the streaming ceiling", dec_c, need, None)])
+    if out["verdict"] != "does not hold" and not (
+            pre["compute_share"] > pre["stream_share"]
+            and dec["stream_share"] > dec["compute_share"]):
+        out["verdict"] = "does not hold"
+    measured = (f"prefill {_ci_text(pre_c, pct=True)} of compute, {pre['stream_share']:.0%} "
+                f"of bandwidth; decode {dec['compute_share']:.0%} of compute, "
+                f"{_ci_text(dec_c, pct=True)} of bandwidth ({pre['model']} {pre['dtype']})")
+    return out | {"measured": measured, "tolerance": need,
+                  "why": f"each phase needs ≥ {need:.0%} of its own resource (its interval "
+                         "too) and more of it than of the other" + _undecided(out)}
+
+
+def _quant(claim: dict, analysis: dict, env: dict) -> dict:
+    rows = analysis.get("quant") or []
+    q = next((r for r in rows if r["dtype"] == claim["dtype"] and r["baseline"] == "f32"), None)
+    if not q or q.get("decode_speedup") is None or q.get("prefill_speedup") is None:
+        return _not_measured(f"needs decode and prefill of {claim['dtype']} beside F32")
+    dec, pre = q["decode_speedup_ci"], q["prefill_speedup_ci"]
+    lo_dec, hi_pre = claim["min_decode_speedup"], claim["max_prefill_speedup"]
+    out = _verdict([("decode speed-up", dec, lo_dec, None),
+                    ("prefill speed-up", pre, None, hi_pre)])
+    measured = (f"{claim['dtype'].upper()} decode {_ci_text(dec)}, prefill {_ci_text(pre)} "
+                "F32")
+    why = [f"decode ≥ {lo_dec:.2f}×, prefill ≤ {hi_pre:.2f}×, each with its interval"]
+    if decide(pre.get("median_ci95"), None, hi_pre) == "does not hold":
+        why.append(f"prefill gained more than {hi_pre:.2f}×: this CPU's integer kernels "
+                   f"({_cpu_features(env)}) run the quantized matrices faster than F32, so "
+                   "prefill's compute got cheaper too")
+    return out | {"measured": measured, "tolerance": [lo_dec, hi_pre],
+                  "why": "; ".join(why) + _undecided(out)}
+
+
+def _cpu_features(env: dict) -> str:
+    info = (env.get("llama") or {}).get("system_info") or ""
+    found = [f for f in ("AVX512_VNNI", "AVX_VNNI", "AVX512", "AVX2", "NEON", "DOTPROD")
+             if f"{f} = 1" in info]
+    return ", ".join(found[:2]) or "its SIMD"
+
+
+def _batching(claim: dict, analysis: dict, env: dict) -> dict:
+    rows = analysis.get("batching") or []
+    row = next((r for r in rows if r["parallel"] == claim["parallel"] and r.get("speedup")),
+               None)
+    if not row:
+        return _not_measured(f"needs decode of 1 and {claim['parallel']} sequences")
+    gain = row["speedup_ci"]
+    each = row.get("per_user_ci") or _over(gain, row["parallel"])  # rows from the lever have it
+    out = _verdict([("aggregate gain", gain, claim["min_gain"], None)])
+    return out | {"tolerance": claim["min_gain"],
+                  "measured": f"{row['parallel']} sequences: {_ci_text(gain)} the aggregate "
+                              f"tok/s of one, while each sequence ran at {_ci_text(each)} the "
+                              f"speed of one alone ({center(row['per_sequence_tok_s']):.1f} "
+                              "tok/s)",
+                  "why": f"needs ≥ {claim['min_gain']:.1f}× aggregate; the per-user cost is "
+                         "the price of it" + _undecided(out)}
+
+
+def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
+    pre = [r for r in analysis["prefill"] if r["n_gen"] == 0]
+    dec = analysis["decode"]
+    if not pre or not dec:
+        return _not_measured("needs a prefill and a decode")
+    longest = max(pre, key=lambda r: r["n_prompt"])
+    same = [d for d in dec if (d["model"], d["dtype"]) == (longest["model"], longest["dtype"])]
+    if not same:
+        return _not_measured("needs decode of the model of the longest prompt")
+    # steps = prefill seconds ÷ seconds per step = n_prompt × decode tok/s ÷ prefill tok/s,
+    # round by round where both ran (the drift cancels), else their medians, unpaired
+    steps = scaled(contrast(row_blocks(same[0]), row_blocks(longest))
+                   or unpaired(same[0]["tok_s"], longest["tok_s"]), longest["n_prompt"])
+    out = _verdict([("decode steps in the first token's time", steps, claim["min_tokens"],
+                     None)])
+    ms = 1000 / center(same[0]["tok_s"])
+    ci = steps.get("median_ci95")
+    return out | {"tolerance": claim["min_tokens"],
+                  "measured": f"{longest['n_prompt']:,} tokens: {longest['seconds']:.1f} s "
+                              f"before the first token, the time of {center(steps):.0f}"
+                              + (f" [{ci[0]:.0f}–{ci[1]:.0f}]" if ci else "")
+                              + f" decode steps of {ms:.0f} ms",
+                  "why": f"needs ≥ {claim['min_tokens']} decode steps" + _undecided(out)}
+
+
+def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
+    parts = []
+    for r in _size_rows(analysis):
+        copy = r.get("copy_ceiling") or {}
+        if not copy.get("value"):
+            continue
+        spread = copy.get("spread") or 0.0
+        yardstick = {"n": 1, "median": copy["value"],
+                     "median_ci95": [copy["value"] * (1 - spread), copy["value"] * (1 + spread)]}
+        share = unpaired(scaled(r["tok_s"], r["bytes_per_token"] / 1e9), yardstick)
+        parts.append((r["model"], share, claim["low"], claim["high"]))
+    if not parts:
+        return _not_measured("needs decode with a numpy copy measured beside it")
+    out = _verdict(parts)
+    shares = [center(c) for _, c, _, _ in parts]
+    return out | {"tolerance": [claim["low"], claim["high"]],
+                  "measured": "decode reached " + ", ".join(
+                      f"{m} {_ci_text(c, pct=True)}" for m, c, _, _ in parts)
+                  + f" of the numpy copy bandwidth ({min(shares):.0%}–{max(shares):.0%}; the "
+                    "course's own yardstick is a copy, so this one is too)",
+                  "why": f"band {claim['low']:.0%}–{claim['high']:.0%}, each interval inside"
+                         + _undecided(out)}
+
+
+def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
+    """Each named workload's prefill share of its time on the run's main configuration (the
+    first model and type decoded, at the most threads), above or below one half."""
+    rows = analysis.get("workloads") or []
+    if not rows:
+        return _not_measured("no workload rows: the run needs prefill and decode of one model")
+    threads = max(r["threads"] for r in rows)
+    # the configuration with the most measured prompt lengths behind its rows (the page's own)
+    keys = list(dict.fromkeys((r["model"], r["dtype"]) for r in rows if r["threads"] == threads))
+    key = max(keys, key=lambda k: len({r["prefill_rate_from"] for r in rows
+                                       if (r["model"], r["dtype"]) == k}))
+    main = {r["workload"].lower(): r for r in rows if (r["model"], r["dtype"]) == key
+            and r["threads"] == threads}
+    parts, text, missing = [], [], []
+    for side, names in (("prefill", claim["prefill_bound"]), ("decode", claim["decode_bound"])):
+        for name in (n.strip() for n in names.split(";") if n.strip()):
+            row = main.get(name)
+            if row is None:
+                missing.append(name)
+                continue
+            share = {"n": 1, "median": row["prefill_share"],
+                     "median_ci95": row.get("prefill_share_ci")}
+            parts.append((f"{row['workload']} prefill share", share,
+                          0.5 if side == "prefill" else None, 0.5 if side == "decode" else None))
+            text.append(f"{row['workload']} {row['prefill_share']:.0%} prefill"
+                        + (" (modelled)" if row.get("modelled") else ""))
+    if missing:
+        return _not_measured("no workload named " + ", ".join(missing))
+    out = _verdict(parts)
+    plural = "s" if threads != 1 else ""
+    return out | {"measured": "; ".join(text) + f" ({key[0]} {key[1]}, {threads} thread{plural})",
+                  "why": "each share on the named side of 50% with its interval"}
+
+
+CHECKS = {"decode_follows_bytes": _decode_follows_bytes, "workload_balance": _workload_balance,
+          "prefill_compute_decode_memory": _phase_shares,
+          "quant_helps_decode_not_prefill": _quant, "batching_gain": _batching,
+          "long_prompt_first_token": _long_prompt, "share_of_plain_memory": _plain_memory}
+assert set(CHECKS) == set(CLAIM_TESTS)
