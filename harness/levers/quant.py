@@ -158,7 +158,8 @@ def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     top = max(r["byte_reduction"] for r in rows) * 1.1
-    dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: min(
+    # in the rows' order where two types cut the bytes alike (a set's order changes per process)
+    dtypes = sorted(dict.fromkeys(r["dtype"] for r in rows), key=lambda d: min(
         x["byte_reduction"] for x in rows if x["dtype"] == d))
     colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(dtypes)}
     groups = group_rows(rows, "model", "threads")
