@@ -327,13 +327,14 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     from .engine.results import RunWriter
     from .engine.scenario import load_scenario
     from .report.tables import render_analysis, render_summary, round_line
-    from .runner import Console, preflight, run_scenario
+    from .runner import Console, preflight, run_scenario, write_header
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
     preflight(plan, list(plan.measurements), cache_dir)  # refuse before the run dir exists
     env_info = collect_env()
     with RunWriter(run_dir, resume=resume) as writer:
+        write_header(plan, writer, env_info, sys.argv)  # a resume that differs ends here
         done = len(writer.records.measured_ids & {m.id for m in plan.measurements})
         click.echo(f"{plan.title}: {len(plan.measurements)} measurements ({done} done) "
                    f"-> {run_dir}", err=True)

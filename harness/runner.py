@@ -67,7 +67,7 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
     every ceiling before and after, the ones each round needs before it; return the
     analysis of what the run holds."""
     console = console or Console()
-    _write_header(scenario, writer, env, argv)
+    write_header(scenario, writer, env, argv)
     todo = pending(scenario, writer.records.measured_ids)
     preflight(scenario, todo, cache_dir)
     if todo:
@@ -435,8 +435,9 @@ class _Rounds:
             cell.close()
 
 
-def _write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:
-    """The run's header, or on resume the check that scenario and machine are unchanged."""
+def write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None:
+    """The run's header, or on resume the check that scenario and machine are unchanged (once
+    per writer: the CLI checks before it says anything, run_scenario again for a fleet node)."""
     writer.begin({
         "type": "header", "kind": "measurement", "schema_version": SCHEMA_VERSION,
         "harness": __version__, "created": now_iso(), "argv": argv or sys.argv,

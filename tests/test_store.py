@@ -3,14 +3,17 @@ append taken back, and the resume rule."""
 
 import json
 import os
+from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import assert_user_error
 
 from harness.core.errors import HarnessError
 from harness.engine import results
 from harness.engine.results import SCHEMA_VERSION, RunWriter, read_records
 
+ROOT = Path(__file__).resolve().parent.parent
 ENV = {"hostname": "lab", "machine_id": "aaaa", "cpu_model": "EPYC", "physical_cores": 2,
        "ram_total_bytes": 24 * 2**30, "llama": {"ggml_commit": "abc"}}
 
@@ -66,8 +69,9 @@ def test_resume_of_a_changed_serving_plan_is_refused(tmp_path):
     with RunWriter(tmp_path, resume=True, kind="serving") as w:
         # another port in the server's command is not another server
         w.begin(header("serving", server={"slots": 2, "command": ["x", "--port", "2"]}), [])
-        with pytest.raises(HarnessError, match=r"workload.n_prompt 512 \(was 128\)"):
-            w.begin(header("serving", workload={"n_prompt": 512}), [])
+    with RunWriter(tmp_path, resume=True, kind="serving") as w, pytest.raises(
+            HarnessError, match=r"workload.n_prompt 512 \(was 128\)"):
+        w.begin(header("serving", workload={"n_prompt": 512}), [])
 
 
 def test_a_folder_of_another_kind_or_schema_is_refused(tmp_path):
@@ -89,3 +93,51 @@ def test_a_schema_1_serving_file_is_read_as_a_serving_run(tmp_path):
     records = read_records(path)
     assert records.header.kind == "serving" and list(records.models) == ["served"]
     assert records.probes[0].seq == 1
+
+
+def test_every_record_kind_round_trips_through_its_type():
+    from harness.core.records import RECORD_TYPES, to_dict, typed
+
+    required = {"header": {"kind": "serving"}, "model": {"key": "m|f32"},
+                "measurement": {"id": "m", "model": "m", "model_key": "m|f32", "dtype": "f32",
+                                "threads": 1, "n_prompt": 8, "n_gen": 4},
+                "repetition": {"id": "m", "round": 0, "rep": {"decode_s": [0.1]}},
+                "round": {"round": 0}, "probe": {"when": "before"},
+                "failure": {"model_key": "m|f32", "error": "x"}, "grouping": {"groups": [["a"]]},
+                "request": {"level": "c1"}, "level": {"level": "c1"}}
+    for kind in RECORD_TYPES:
+        tag = kind.__struct_config__.tag
+        record = typed({"type": tag, **required.get(tag, {})})
+        assert type(record) is kind
+        written = to_dict(record)
+        assert written["type"] == tag and "seq" not in written
+        assert typed(json.loads(json.dumps(written))) == record
+
+
+def _foreign_run(tmp_path, **env):
+    """A results folder of the tiny scenario whose header names another machine."""
+    from harness.engine.scenario import load_scenario
+
+    scenario = ROOT / "tests" / "scenarios" / "tiny.yaml"
+    plan = load_scenario(scenario, 1)
+    out = tmp_path / "run"
+    with RunWriter(out, resume=False) as w:
+        w.begin({"type": "header", "kind": "measurement", "schema_version": SCHEMA_VERSION,
+                 "scenario": {"sha256": plan.sha256}, "env": ENV | env}, [])
+    return scenario, out
+
+
+def test_harness_run_resume_on_another_machine_exits_2_and_writes_nothing(run_cli, tmp_path):
+    scenario, out = _foreign_run(tmp_path)
+    before = (out / "results.jsonl").read_bytes()
+    result = run_cli("run", str(scenario), "--out", str(out), "--resume")
+    assert_user_error(result, "cannot resume", "hostname", "(was lab)", "start a new run")
+    assert (out / "results.jsonl").read_bytes() == before
+
+
+def test_harness_run_into_a_serving_runs_folder_exits_2(run_cli, tmp_path):
+    started(tmp_path / "served", "serving")
+    scenario = ROOT / "tests" / "scenarios" / "tiny.yaml"
+    result = run_cli("run", str(scenario), "--out", str(tmp_path / "served"), "--resume")
+    assert_user_error(result, "holds a serving run's results, not a measurement run's",
+                      "choose another --out")

@@ -269,9 +269,13 @@ class RunWriter:
 
 def begin_run(writer, header: dict, argv: list[str]) -> None:
     """Write a new run's header, or check a resumed run's against it (exit 2 naming what
-    differs) and record the resume; writer: a RunWriter or a fleet node's stream."""
+    differs) and record the resume, once per writer; writer: a RunWriter or a fleet node's
+    stream."""
+    if getattr(writer, "begun", False):
+        return
     if writer.records.header is None:
         writer.append(header)
+        writer.begun = True
         return
     old = to_dict(writer.records.header)
     if old.get("schema_version") != header["schema_version"]:
@@ -286,6 +290,7 @@ def begin_run(writer, header: dict, argv: list[str]) -> None:
                                "a new run with another --out")
     writer.append({"type": "resume", "at": header.get("created"), "argv": argv,
                    "env": header.get("env")})
+    writer.begun = True
 
 
 def _lock(run_dir: Path) -> FileLock:
