@@ -71,29 +71,16 @@ def models_import(config: str, out: Path | None, name: str | None, force: bool) 
 
 
 def _levels(concurrency: str | None, rate: str | None):
-    from .engine.load import Level
+    """harness serve's --concurrency and --rate lists as load levels (servescenario's rule)."""
+    from .servescenario import make_levels
 
     try:
-        levels = [Level(concurrency=int(x)) for x in (concurrency or "").split(",") if x]
-        levels += [Level(rate=float(x)) for x in (rate or "").split(",") if x]
+        closed = [int(x) for x in (concurrency or "").split(",") if x]
+        opened = [float(x) for x in (rate or "").split(",") if x]
     except ValueError:
         raise HarnessError("takes numbers separated by commas", key="--concurrency/--rate",
                            fix="e.g. --concurrency 1,2,4 or --rate 0.5,1") from None
-    if any((lv.concurrency or 1) < 1 or (lv.rate is not None and lv.rate <= 0) for lv in levels):
-        raise HarnessError("levels must be positive", key="--concurrency/--rate",
-                           fix="e.g. --concurrency 1,2,4")
-    keys = [lv.key for lv in levels]
-    if len(set(keys)) != len(keys):  # two levels of one key would share their records
-        twice = next(lv for i, lv in enumerate(levels) if lv.key in keys[:i])
-        raise HarnessError(f"the level {twice.label} is listed twice",
-                           key="--concurrency/--rate", fix="list each once")
-    if any(lv.concurrency and lv.concurrency > MAX_CONCURRENCY for lv in levels):
-        raise HarnessError(f"at most {MAX_CONCURRENCY} requests in flight",
-                           key="--concurrency", fix="e.g. --concurrency 1,2,4")
-    return tuple(levels) or (Level(concurrency=1),)
-
-
-MAX_CONCURRENCY = 4096  # as a scenario's serve.concurrency
+    return make_levels(closed or ([] if opened else [1]), opened)
 
 
 @cli.group()
@@ -133,6 +120,28 @@ def server_build(jobs: int | None, directory: Path | None, force: bool,
                f"), {note}", err=True)
 
 
+def _serve_number(flag: str, key: str, help_text: str | None = None):
+    """A harness serve option with the default and bounds of its serve: key (core.options)."""
+    from .core.options import SERVE_NUMBERS
+
+    field, value, low, high = SERVE_NUMBERS[key]
+    kind = (click.FloatRange(low, high) if isinstance(value, float)
+            else click.IntRange(low, high))
+    return click.option(flag, field, default=value, show_default=True, type=kind,
+                        help=help_text)
+
+
+def _serve_flag(flag: str, key: str, help_text: str):
+    """An on/off harness serve option with its serve: key's default (core.options)."""
+    from .core.options import SERVE_FLAGS
+
+    on = SERVE_FLAGS[key]
+    name = flag.removeprefix("--")
+    decls = f"{flag}/--no-{name}" if on else flag
+    return click.option(decls, key, default=on, show_default=on, is_flag=not on or None,
+                        help=help_text)
+
+
 @cli.command()
 @click.argument("model")
 @click.option("--dtype", default="f16", show_default=True, help="Weight type of a built spec.")
@@ -143,36 +152,32 @@ def server_build(jobs: int | None, directory: Path | None, force: bool,
                                  "machine's, unless --allow-remote).")
 @click.option("--allow-remote", is_flag=True,
               help="Let --endpoint name a server on another machine (it will be loaded).")
-@click.option("--slots", default=4, show_default=True, type=click.IntRange(1, 256))
+@_serve_number("--slots", "slots")
 @click.option("--concurrency", default="1,2,4", show_default=True,
               help="Closed-loop levels: requests in flight, comma-separated.")
 @click.option("--rate", help="Open-loop levels: Poisson arrivals per second, comma-separated.")
-@click.option("--requests", "n_requests", default=32, show_default=True,
-              type=click.IntRange(1, 100_000), help="Requests per level at most.")
-@click.option("--duration", "duration_s", default=120.0, show_default=True,
-              type=click.FloatRange(1, 86_400), help="Seconds per level at most.")
-@click.option("--prompt", default=128, show_default=True, type=click.IntRange(1, 1 << 20))
-@click.option("--generate", default=64, show_default=True, type=click.IntRange(1, 1 << 20))
-@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0, 100))
-@click.option("--threads", default=0, type=click.IntRange(0, 1024),
-              help="Threads of the server and of the in-process yardstick (0: physical cores).")
+@_serve_number("--requests", "requests", "Requests per level at most.")
+@_serve_number("--duration", "duration_s", "Seconds per level at most.")
+@_serve_number("--prompt", "prompt")
+@_serve_number("--generate", "generate")
+@_serve_number("--warmup", "warmup")
+@_serve_number("--threads", "threads",
+               "Threads of the server and of the in-process yardstick (0: physical cores).")
 @click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True))
 @click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True))
-@click.option("--prefix-cache", is_flag=True, help="Let the server reuse cached prompt prefixes.")
-@click.option("--inprocess/--no-inprocess", default=True, show_default=True,
-              help="Time the same file's batched decode in-process beside each closed level.")
-@click.option("--pin-slots/--no-pin-slots", default=True, show_default=True,
-              help="Closed loop: worker k's requests ask for slot k (llama-server's id_slot).")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 1000),
-              help="Rounds a compared level alternates served and in-process decode in.")
+@_serve_flag("--prefix-cache", "prefix_cache", "Let the server reuse cached prompt prefixes.")
+@_serve_flag("--inprocess", "inprocess",
+             "Time the same file's batched decode in-process beside each closed level.")
+@_serve_flag("--pin-slots", "pin_slots",
+             "Closed loop: worker k's requests ask for slot k (llama-server's id_slot).")
+@_serve_number("--rounds", "rounds",
+               "Rounds a compared level alternates served and in-process decode in.")
+@_serve_number("--timeout", "timeout_s", "Seconds a request may stall before it fails.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
-def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
-          concurrency: str, rate: str | None, n_requests: int, duration_s: float, prompt: int,
-          generate: int, warmup: int, threads: int, slo_ttft_ms: float | None,
-          slo_tpot_ms: float | None, prefix_cache: bool, inprocess: bool, pin_slots: bool,
-          rounds: int, allow_remote: bool, out: Path | None,
-          cache_dir: Path | None) -> None:
+def serve(model: str, dtype: str, server: str, endpoint: str | None, concurrency: str,
+          rate: str | None, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+          allow_remote: bool, out: Path | None, cache_dir: Path | None, **options) -> None:
     """Load a llama.cpp server serving MODEL (a spec or a .gguf) at each level and report
     TTFT, TPOT, ITL and end-to-end percentiles, throughput and goodput."""
     from .core.specs import looks_like_path
@@ -183,10 +188,10 @@ def serve(model: str, dtype: str, server: str, endpoint: str | None, slots: int,
     endpoint = check_endpoint(endpoint, allow_remote) if endpoint else None
     slo = {k: v for k, v in (("ttft_ms", slo_ttft_ms), ("tpot_ms", slo_tpot_ms)) if v}
     label = safe_name(Path(model).stem) if looks_like_path(model) else safe_name(model)
-    plan = ServePlan(None, f"serve-{label}", f"Serving {label}", "", model, dtype, 0,
-                     _levels(concurrency, rate), _server_option(server), endpoint, slots,
-                     n_requests, duration_s, prompt, generate, warmup, threads, prefix_cache,
-                     inprocess, slo=slo, rounds=rounds, pin_slots=pin_slots)
+    plan = ServePlan(path=None, name=f"serve-{label}", title=f"Serving {label}",
+                     description="", model=model, dtype=dtype, seed=0,
+                     levels=_levels(concurrency, rate), server=_server_option(server),
+                     endpoint=endpoint, slo=slo, **options)
     check_plan(plan)  # what the run would refuse once started, refused before anything is
     _serve(plan, out or default_run_dir(plan.name, False), cache_dir, resume=False)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .core.dtypes import get_dtype
 from .core.errors import HarnessError
+from .core.options import MAX_CONCURRENCY, SERVE_FLAGS, SERVE_NUMBERS
 from .core.serving import SLO_KEYS
 from .core.yamlio import (
     Doc,
@@ -22,23 +23,22 @@ from .core.yamlio import (
     want_str,
 )
 from .engine.http import check_endpoint
-from .engine.load import REQUEST_TIMEOUT_S, Level
-from .engine.scenario import resolve_model_ref
+from .engine.load import Level
+from .engine.scenario import beside, resolve_model_ref
 
 TOP_KEYS = ["name", "title", "description", "model", "dtype", "seed", "serve"]
 SERVE_KEYS = ["server", "endpoint", "slots", "concurrency", "rate", "requests", "duration_s",
               "prompt", "generate", "warmup", "threads", "prefix_cache", "inprocess",
               "rounds", "timeout_s", "slo", "pin_slots"]
-MAX_TOKENS = 1 << 20
 # The servers a scenario may name: the ones the harness installs (the xllamacpp wheel) or
 # builds (harness server build). A binary of the user's own comes only from the command line.
 SCENARIO_SERVERS = ("xllamacpp", "built")
 SLOT_MARGIN = 16  # tokens each slot holds beyond prompt + output (serving.serving_run)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServePlan:
-    """A validated serving scenario."""
+    """A validated serving scenario (or harness serve's options), built by keyword."""
 
     path: Path | None  # None: made from harness serve's options
     name: str
@@ -48,20 +48,20 @@ class ServePlan:
     dtype: str
     seed: int
     levels: tuple[Level, ...]
-    server: str = "xllamacpp"
-    endpoint: str | None = None
-    slots: int = 4
-    n_requests: int = 32
-    duration_s: float = 120.0
-    n_prompt: int = 128
-    n_generate: int = 64
-    warmup: int = 1
-    threads: int = 0
-    prefix_cache: bool = False
-    inprocess: bool = True
-    timeout_s: float = REQUEST_TIMEOUT_S
-    pin_slots: bool = True
-    rounds: int = 3
+    server: str
+    endpoint: str | None
+    slots: int
+    n_requests: int
+    duration_s: float
+    n_prompt: int
+    n_generate: int
+    warmup: int
+    threads: int
+    prefix_cache: bool
+    inprocess: bool
+    timeout_s: float
+    pin_slots: bool
+    rounds: int
     slo: dict = field(default_factory=dict)
 
 
@@ -87,7 +87,7 @@ def load_serving_scenario(path: Path, allow_remote: bool = False,
     serve = want_mapping(doc, ("serve",), data["serve"])
     check_keys(doc, ("serve",), serve, SERVE_KEYS)
     name = want_name(doc, ("name",), data["name"])
-    model = _beside(want_str(doc, ("model",), data["model"]), path.parent)
+    model = beside(want_str(doc, ("model",), data["model"]), path.parent)
     dtype = want_str(doc, ("dtype",), data.get("dtype", "f16"))
     plan = ServePlan(
         path=path, name=name, title=want_str(doc, ("title",), data.get("title", name)),
@@ -166,29 +166,14 @@ def preflight_plan(plan: ServePlan, cache_dir: Path | None) -> None:
 
 def _serve_options(doc: Doc, s: dict, allow_remote: bool) -> dict:
     p = ("serve",)
-    out = {
-        "server": _server(doc, s.get("server", "xllamacpp")),
-        "endpoint": _endpoint(doc, s.get("endpoint"), allow_remote),
-        "slots": want_int(doc, p + ("slots",), s.get("slots", 4), minimum=1, maximum=256),
-        "n_requests": want_int(doc, p + ("requests",), s.get("requests", 32), minimum=1,
-                               maximum=100_000),
-        "duration_s": want_float(doc, p + ("duration_s",), s.get("duration_s", 120.0),
-                                 minimum=1, maximum=86_400),
-        "n_prompt": want_int(doc, p + ("prompt",), s.get("prompt", 128), minimum=1,
-                             maximum=MAX_TOKENS),
-        "n_generate": want_int(doc, p + ("generate",), s.get("generate", 64), minimum=1,
-                               maximum=MAX_TOKENS),
-        "warmup": want_int(doc, p + ("warmup",), s.get("warmup", 1), minimum=0, maximum=100),
-        "threads": want_int(doc, p + ("threads",), s.get("threads", 0), minimum=0,
-                            maximum=1024),
-        "prefix_cache": want_bool(doc, p + ("prefix_cache",), s.get("prefix_cache", False)),
-        "inprocess": want_bool(doc, p + ("inprocess",), s.get("inprocess", True)),
-        "pin_slots": want_bool(doc, p + ("pin_slots",), s.get("pin_slots", True)),
-        "rounds": want_int(doc, p + ("rounds",), s.get("rounds", 3), minimum=1, maximum=1000),
-        "timeout_s": want_float(doc, p + ("timeout_s",), s.get("timeout_s", REQUEST_TIMEOUT_S),
-                                minimum=1, maximum=86_400),
-        "slo": _slo(doc, s.get("slo", {})),
-    }
+    out = {"server": _server(doc, s.get("server", "xllamacpp")),
+           "endpoint": _endpoint(doc, s.get("endpoint"), allow_remote),
+           "slo": _slo(doc, s.get("slo", {}))}
+    for key, (name, value, low, high) in SERVE_NUMBERS.items():
+        want = want_float if isinstance(value, float) else want_int
+        out[name] = want(doc, p + (key,), s.get(key, value), minimum=low, maximum=high)
+    for key, value in SERVE_FLAGS.items():
+        out[key] = want_bool(doc, p + (key,), s.get(key, value))
     return out
 
 
@@ -221,31 +206,48 @@ def _slo(doc: Doc, value: object) -> dict:
 
 
 def _levels(doc: Doc, s: dict) -> tuple[Level, ...]:
+    closed = _as_list(s.get("concurrency", [] if "rate" in s else [1]))
+    concurrency = [want_int(doc, ("serve", "concurrency", i), v, minimum=1,
+                            maximum=MAX_CONCURRENCY) for i, v in enumerate(closed)]
+    rate = [want_float(doc, ("serve", "rate", i), v, minimum=0, exclusive_min=True)
+            for i, v in enumerate(_as_list(s.get("rate", [])))]
+    try:
+        return make_levels(concurrency, rate)
+    except LevelError as exc:
+        where = ("serve", exc.kind, exc.index) if exc.index is not None else ("serve",)
+        raise doc.error(where, exc.message, fix=exc.fix) from None
+
+
+class LevelError(HarnessError):
+    """A list of load levels that cannot run: which list, which entry."""
+
+    def __init__(self, message: str, kind: str, index: int | None, fix: str) -> None:
+        super().__init__(message, key="--concurrency/--rate", fix=fix)
+        self.kind, self.index = kind, index
+
+
+def make_levels(concurrency: list[int], rate: list[float]) -> tuple[Level, ...]:
+    """The load levels of a serving run, closed loops first: each positive and listed once
+    (two levels of one key would share their records), at least one."""
     levels, seen = [], set()
-    for kind in ("concurrency", "rate"):
-        values = s.get(kind, [1] if kind == "concurrency" and "rate" not in s else [])
-        for i, value in enumerate(_as_list(values)):
-            where = ("serve", kind, i)
-            level = (Level(concurrency=want_int(doc, where, value, minimum=1, maximum=4096))
-                     if kind == "concurrency" else
-                     Level(rate=want_float(doc, where, value, minimum=0, exclusive_min=True)))
-            if level.key in seen:  # two levels of one key would share their records
-                raise doc.error(where, f"the level {level.label} is listed twice",
-                                fix="list each once")
+    for kind, values in (("concurrency", concurrency), ("rate", rate)):
+        for i, value in enumerate(values):
+            level = Level(concurrency=int(value)) if kind == "concurrency" else Level(rate=value)
+            if (level.concurrency or 1) < 1 or (level.rate is not None and level.rate <= 0):
+                raise LevelError("levels must be positive", kind, i, "e.g. 1, 2, 4")
+            if (level.concurrency or 0) > MAX_CONCURRENCY:
+                raise LevelError(f"at most {MAX_CONCURRENCY} requests in flight", kind, i,
+                                 "e.g. 1, 2, 4")
+            if level.key in seen:
+                raise LevelError(f"the level {level.label} is listed twice", kind, i,
+                                 "list each once")
             seen.add(level.key)
             levels.append(level)
     if not levels:
-        raise doc.error(("serve",), "no load level", fix="add concurrency: [1, 2] or rate: [1]")
+        raise LevelError("no load level", "concurrency", None,
+                         "add concurrency: [1, 2] or rate: [1]")
     return tuple(levels)
 
 
 def _as_list(value: object) -> list:
     return value if isinstance(value, list) else [value]
-
-
-def _beside(ref: str, scenario_dir: Path) -> str:
-    """A relative .gguf or spec file path names a file beside the scenario when one is there."""
-    if not ref.endswith((".gguf", ".yaml", ".yml")) or Path(ref).is_absolute():
-        return ref
-    candidate = scenario_dir / ref
-    return str(candidate) if candidate.exists() else ref

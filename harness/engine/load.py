@@ -14,10 +14,10 @@ import httpx
 import numpy as np
 
 from ..core.errors import MeasurementError
+from ..core.options import REQUEST_TIMEOUT_S
 from .http import client_timeout, completion_body, prometheus_counters, stream_completion
 
 FIRST_TOKEN = 3  # after the synthetic vocabulary's <unk>, <s>, </s>
-REQUEST_TIMEOUT_S = 300.0
 # Warm-up requests that may fail before a level gives up: a server that fails its warm-up
 # fails the level's requests too, and each failure may have waited a whole timeout_s.
 MAX_WARMUP_FAILURES = 1

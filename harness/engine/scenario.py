@@ -292,7 +292,7 @@ def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = Non
         random = _random_kinds(doc, key, ref) if isinstance(ref, dict) else None
         if random:
             key, ref = key + ("twin_of",), ref["twin_of"]
-        ref = _beside(want_str(doc, key, ref), Path(doc.source).parent)
+        ref = beside(want_str(doc, key, ref), Path(doc.source).parent)
         try:
             out += _resolve_twin(ref, random) if random else resolve_model_ref(ref, kinds)
         except HarnessError as exc:
@@ -303,7 +303,7 @@ def _models(doc: Doc, data: dict, path: tuple = (), default_dtypes: object = Non
     return out
 
 
-def _beside(ref: str, scenario_dir: Path) -> str:
+def beside(ref: str, scenario_dir: Path) -> str:
     """A relative file path names a file beside the scenario when one is there, else as given
     (from the working directory); spec names stay names."""
     if not looks_like_path(ref) or Path(ref).is_absolute():
