@@ -328,11 +328,16 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
     if is_serving_scenario(scenario):
         plan = _serving_plan(scenario, server, allow_remote)
         return _serve(plan, out or default_run_dir(plan.name, resume), cache_dir, resume)
+    _run_here(scenario, out, resume, strict, cache_dir)
+
+
+def _run_here(scenario: Path, out: Path | None, resume: bool, strict: bool,
+              cache_dir: Path | None) -> None:
+    """A measurement run on this machine: checked, run, summarized, its report written."""
     from .engine.env import collect_env, physical_cores
     from .engine.results import RunWriter
     from .engine.scenario import load_scenario
-    from .report.tables import render_analysis, render_summary, round_line
-    from .runner import Console, preflight, run_scenario, write_header
+    from .runner import preflight, run_scenario, write_header
 
     plan = load_scenario(scenario, physical_cores())
     run_dir = out or default_run_dir(plan.name, resume)
@@ -343,34 +348,51 @@ def run(scenario: Path, out: Path | None, resume: bool, strict: bool,
         done = len(writer.records.measured_ids & {m.id for m in plan.measurements})
         click.echo(f"{plan.title}: {len(plan.measurements)} measurements ({done} done) "
                    f"-> {run_dir}", err=True)
-        console = Console(warn=lambda msg: click.echo(f"warning: {msg}", err=True),
-                          info=lambda msg: click.echo(msg, err=True),
-                          round=lambda progress: click.echo(round_line(progress), err=True))
         try:
             analysis = _interruptible(lambda: run_scenario(
                 plan, writer, env_info, strict=strict, cache_dir=cache_dir,
-                console=console, argv=sys.argv))
+                console=_console(), argv=sys.argv))
         except (KeyboardInterrupt, HarnessError, OSError) as exc:
-            n = len(writer.records.measured_ids)
-            what = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
-                    "stopped: the disk is full (free some, then resume)" if is_disk_full(exc)
-                    else "stopped")
-            click.echo(f"\n{what}: {n} of {len(plan.measurements)} measurements and "
-                       f"{len(writer.records.repetitions)} repetitions kept in {run_dir}; "
-                       f"resume with: harness run {scenario} --out {run_dir} --resume",
-                       err=True)
+            click.echo(_stopped_line(exc, writer, len(plan.measurements), scenario), err=True)
             raise
-        click.echo(render_summary(writer.records.measurements))
-        click.echo("\n" + render_analysis(analysis))
-        from .report.files import write_report
-
-        click.echo(f"\nreport: {write_report(run_dir, writer.records)}")
-        failures = writer.records.failures
-        if failures:
-            click.echo(f"{len(failures)} model(s) failed; see {writer.path}", err=True)
+        failures = _finished(writer, analysis)
     click.echo(str(run_dir))
     if failures:
         sys.exit(EXIT_FAILURE)
+
+
+def _console():
+    """The runner's console: warnings, progress and one line per round, on stderr."""
+    from .report.tables import round_line
+    from .runner import Console
+
+    return Console(warn=lambda msg: click.echo(f"warning: {msg}", err=True),
+                   info=lambda msg: click.echo(msg, err=True),
+                   round=lambda progress: click.echo(round_line(progress), err=True))
+
+
+def _stopped_line(exc: BaseException, writer, n_planned: int, scenario: Path) -> str:
+    """What an interrupted or stopped run kept, and the command that resumes it."""
+    what = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
+            "stopped: the disk is full (free some, then resume)" if is_disk_full(exc)
+            else "stopped")
+    return (f"\n{what}: {len(writer.records.measured_ids)} of {n_planned} measurements and "
+            f"{len(writer.records.repetitions)} repetitions kept in {writer.dir}; "
+            f"resume with: harness run {scenario} --out {writer.dir} --resume")
+
+
+def _finished(writer, analysis: dict) -> list:
+    """A finished run's summary, analysis and report; returns its failures."""
+    from .report.files import write_report
+    from .report.tables import render_analysis, render_summary
+
+    click.echo(render_summary(writer.records.measurements))
+    click.echo("\n" + render_analysis(analysis))
+    click.echo(f"\nreport: {write_report(writer.dir, writer.records)}")
+    if writer.records.failures:
+        click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
+                   err=True)
+    return writer.records.failures
 
 
 def _serving_plan(scenario: Path, server: str | None, allow_remote: bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -214,48 +215,62 @@ def _groups(todo: list[Measurement], writer: RunWriter, console: Console
     return [[m for m in todo if m.model.key in group] for group in keys]
 
 
-class _Rounds:
-    """Interleaved rounds over one group of cells: every model loaded and every cell's context
-    kept alive; each round runs one repetition of every cell still going, in a shuffled order;
-    a cell leaves when its policy says so, and its measurement record is written then."""
+class _Budget:
+    """The run's time budget: seconds spent in rounds (an interrupted run's included), never
+    the time spent loading models."""
+
+    def __init__(self, spent_s: float) -> None:
+        self.spent_s, self.clock = spent_s, time.monotonic()
+
+    def start(self) -> None:
+        self.clock = time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self):
+        clock = time.monotonic()
+        try:
+            yield
+        finally:
+            self.clock += time.monotonic() - clock
+
+    def elapsed_s(self) -> float:
+        return self.spent_s + time.monotonic() - self.clock
+
+
+class _Group:
+    """The models of one RAM group, loaded (their page readers and model records with them),
+    and the cells' contexts kept alive on them."""
 
     def __init__(self, todo: list[Measurement], writer: RunWriter, scenario: Scenario,
                  strict: bool, files: dict, prober: _RunProber, console: Console) -> None:
-        self.todo, self.writer, self.scenario = todo, writer, scenario
-        self.strict, self.files, self.prober, self.console = strict, files, prober, console
+        self.todo, self.writer, self.scenario, self.strict = todo, writer, scenario, strict
+        self.files, self.prober, self.console = files, prober, console
         self.models, self.pages, self.cells, self.infos = {}, {}, {}, {}
-        self.failed: set[str] = set()
-        self.by_id = {m.id: m for m in todo}
-        self.partners: dict[str, list[tuple[str, str]]] = {}
-        for a, b, phase in contrast_pairs({m.id: m.pairing_key for m in todo},
-                                          {m.id: {m.phase} for m in todo}):
-            self.partners.setdefault(a, []).append((b, phase))
-            self.partners.setdefault(b, []).append((a, phase))
-        self.reps = {m.id: [r for r in writer.records.repetitions if r.id == m.id]
-                     for m in todo}
         self.reload = any(m.model.in_twin_pair for m in todo)
-        self.spent_s = max((r.elapsed_s for r in writer.records.repetitions),
-                           default=0.0)
-        self.clock = time.monotonic()
 
-    def run(self) -> None:
-        try:
-            keys = list(dict.fromkeys(m.model.key for m in self.todo))
-            active = list(self.todo) if self.reload else self._load(keys)
-            self.clock = time.monotonic()  # the budget counts rounds, not loading the models
-            round_index, resumed = self._first_round(active)
-            if resumed:  # cells whose repetitions were all done leave first
-                active = self._finish(active, round_index - 1)
-            while active:
-                if self.reload:
-                    active = self._reload(round_index, active)
-                self._round(round_index, active)
-                active = self._finish(active, round_index)
-                round_index += 1
-        finally:
-            self._unload()
+    def cell(self, m: Measurement):
+        """m's context on its loaded model, made (and warmed) on first use."""
+        from .engine.measure import Cell
 
-    def _unload(self) -> None:
+        if m.id not in self.cells:
+            self.cells[m.id] = Cell(self.models[m.model.key], m, self.scenario.seed,
+                                    self.pages.get(m.model.key))
+        return self.cells[m.id]
+
+    def drop(self, m: Measurement):
+        """m's context taken out of the group (closed by the caller), or None."""
+        return self.cells.pop(m.id, None)
+
+    def take(self, m: Measurement):
+        """m's context for its record (closed by the caller): the one its repetitions ran in,
+        else, for a cell whose repetitions all landed before an interruption, one set up and
+        warmed again now, so the record states its setup; None where its model is not loaded
+        (a twin pair's group between rounds)."""
+        if m.id not in self.cells and m.model.key in self.models:
+            self.cell(m)
+        return self.drop(m)
+
+    def unload(self) -> None:
         for cell in self.cells.values():
             cell.close()
         self.cells.clear()
@@ -263,19 +278,17 @@ class _Rounds:
             model.close()
         self.models.clear()
 
-    def _reload(self, round_index: int, active: list[Measurement]) -> list[Measurement]:
+    def reload_for(self, round_index: int, active: list[Measurement]) -> list[Measurement]:
         """A group with a twin pair loads its models afresh before every round, each file's
         cached pages dropped and read back first, in an order that alternates round by round:
         where a file's pages sit, and which model was loaded first, moved decode by up to 11%
         between byte-identical files (docs/twins.md), so no model keeps the better place."""
         keys = list(dict.fromkeys(m.model.key for m in active))
-        self._unload()
-        clock = time.monotonic()
-        self._load(keys if round_index % 2 == 0 else keys[::-1], round_index)
-        self.clock += time.monotonic() - clock  # loading is not measuring: the budget skips it
+        self.unload()
+        self.load(keys if round_index % 2 == 0 else keys[::-1], round_index)
         return [m for m in active if m.model.key in self.models]
 
-    def _load(self, keys: list[str], round_index: int | None = None) -> list[Measurement]:
+    def load(self, keys: list[str], round_index: int | None = None) -> list[Measurement]:
         from .engine.llama import Model
         from .engine.pagecache import huge_mapped_n_bytes, recache
 
@@ -308,6 +321,69 @@ class _Rounds:
                                 "at": now_iso()})
         return [m for m in self.todo if m.model.key in self.models]
 
+
+class _Contrasts:
+    """What a cell is judged on: the contrasts with the auto cells of its group that differ
+    from it in one setting, from the repetitions so far; a cell that failed leaves them."""
+
+    def __init__(self, todo: list[Measurement], reps: dict, target: str) -> None:
+        self.by_id, self.reps, self.target = {m.id: m for m in todo}, reps, target
+        self.failed: set[str] = set()
+        self.partners: dict[str, list[tuple[str, str]]] = {}
+        for a, b, phase in contrast_pairs({m.id: m.pairing_key for m in todo},
+                                          {m.id: {m.phase} for m in todo}):
+            self.partners.setdefault(a, []).append((b, phase))
+            self.partners.setdefault(b, []).append((a, phase))
+
+    def of(self, m: Measurement) -> list[tuple[str, str]]:
+        """The (cell, phase) contrasts m is judged on (a finished partner's rounds are
+        complete)."""
+        return [(o, ph) for o, ph in self.partners.get(m.id, [])
+                if o not in self.failed and self.by_id[o].settings.policy.auto]
+
+    def widest(self, m: Measurement) -> float | None:
+        """The widest interval m is judged on (harness.core.rounds.widest_ci)."""
+        def series(cell: str, phase: str | None) -> dict:
+            return round_series(self.by_id[cell], self.reps[cell], phase)
+
+        return widest_ci(m.id, self.of(m), series, self.target)
+
+
+class _Rounds:
+    """Interleaved rounds over one group of cells: every model loaded and every cell's context
+    kept alive; each round runs one repetition of every cell still going, in a shuffled order;
+    a cell leaves when its policy says so, and its measurement record is written then."""
+
+    def __init__(self, todo: list[Measurement], writer: RunWriter, scenario: Scenario,
+                 strict: bool, files: dict, prober: _RunProber, console: Console) -> None:
+        self.todo, self.writer, self.scenario = todo, writer, scenario
+        self.strict, self.prober, self.console = strict, prober, console
+        self.group = _Group(todo, writer, scenario, strict, files, prober, console)
+        self.reps = {m.id: [r for r in writer.records.repetitions if r.id == m.id]
+                     for m in todo}
+        self.contrasts = _Contrasts(todo, self.reps, scenario.target)
+        self.budget = _Budget(max((r.elapsed_s for r in writer.records.repetitions),
+                                  default=0.0))
+
+    def run(self) -> None:
+        group = self.group
+        try:
+            keys = list(dict.fromkeys(m.model.key for m in self.todo))
+            active = list(self.todo) if group.reload else group.load(keys)
+            self.budget.start()  # the budget counts rounds, not loading the models
+            round_index, resumed = self._first_round(active)
+            if resumed:  # cells whose repetitions were all done leave first
+                active = self._finish(active, round_index - 1)
+            while active:
+                if group.reload:
+                    with self.budget.paused():  # loading is not measuring
+                        active = group.reload_for(round_index, active)
+                self._round(round_index, active)
+                active = self._finish(active, round_index)
+                round_index += 1
+        finally:
+            group.unload()
+
     def _first_round(self, active: list[Measurement]) -> tuple[int, bool]:
         """Where this group's rounds begin, and whether it is resumed: a group with
         repetitions goes on at its last round if a cell still lacks its repetition there
@@ -323,13 +399,7 @@ class _Rounds:
     def _round(self, round_index: int, active: list[Measurement]) -> None:
         order = round_order([m.id for m in active], self.scenario.seed, round_index)
         idle = _noise_gate(f"before round {round_index}", self.strict, self.console)
-        needs: dict[int, tuple[set, set]] = {}
-        for m in active:
-            dtypes, phases = needs.setdefault(m.settings.threads, (set(), set()))
-            dtypes.update(self.files[m.model.key][1])
-            phases.update(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
-                                                                or m.shared_prefix)) if on)
-        self.prober.beside(round_index, needs)
+        self.prober.beside(round_index, self._needs(active))
         if all(r.round != round_index for r in self.writer.records.rounds):  # not resumed
             self.writer.append({"type": "round", "round": round_index, "order": order,
                                 "idle_other_cores": idle, "at": now_iso()})
@@ -343,21 +413,26 @@ class _Rounds:
             except MeasurementError as exc:
                 # One cell failing (a decode error) must not cost the others their numbers.
                 _record_failure(self.writer, m.model.key, exc, [m], self.console)
-                self.failed.add(m.id)
-                cell = self.cells.pop(m.id, None)
+                self.contrasts.failed.add(m.id)
+                cell = self.group.drop(m)
                 if cell:
                     cell.close()
 
-    def _repetition(self, m: Measurement, round_index: int, position: int) -> None:
-        from .engine.measure import Cell
+    def _needs(self, active: list[Measurement]) -> dict[int, tuple[set, set]]:
+        """Per thread count, the tensor types and phases the round's cells need probed."""
+        needs: dict[int, tuple[set, set]] = {}
+        for m in active:
+            dtypes, phases = needs.setdefault(m.settings.threads, (set(), set()))
+            dtypes.update(self.group.files[m.model.key][1])
+            phases.update(p for p, on in (("stream", m.n_gen), ("compute", m.n_prompt
+                                                                or m.shared_prefix)) if on)
+        return needs
 
-        if m.id not in self.cells:
-            self.cells[m.id] = Cell(self.models[m.model.key], m, self.scenario.seed,
-                                    self.pages.get(m.model.key))
-        rep = self.cells[m.id].run(round_index, position)
-        elapsed = self.spent_s + time.monotonic() - self.clock
+    def _repetition(self, m: Measurement, round_index: int, position: int) -> None:
+        rep = self.group.cell(m).run(round_index, position)
         record = {"type": "repetition", "id": m.id, "round": round_index,
-                  "position": position, "rep": rep, "elapsed_s": elapsed, "at": now_iso()}
+                  "position": position, "rep": rep, "elapsed_s": self.budget.elapsed_s(),
+                  "at": now_iso()}
         self.writer.append(record)
         self.reps[m.id].append(self.writer.records.repetitions[-1])
 
@@ -366,13 +441,13 @@ class _Rounds:
         cell once the contrasts it is part of (its own figure under `target: absolute`) are
         within target_ci, or at min_repetitions when it is in none; the cells of a contrast
         leave together."""
-        elapsed = self.spent_s + time.monotonic() - self.clock
+        elapsed = self.budget.elapsed_s()
         over = self.scenario.max_seconds is not None and elapsed >= self.scenario.max_seconds
-        live = [m for m in active if m.id not in self.failed]
-        widths = {m.id: self._widest(m) for m in live}
+        live = [m for m in active if m.id not in self.contrasts.failed]
+        widths = {m.id: self.contrasts.widest(m) for m in live}
         still, widest = [], (0.0, None)
         for m in live:
-            alone = self.scenario.target == "contrasts" and not self._partners(m)
+            alone = self.scenario.target == "contrasts" and not self.contrasts.of(m)
             reason = stop_reason(len(self.reps[m.id]), widths[m.id], m.settings.policy, over,
                                  alone)
             if reason:
@@ -389,32 +464,10 @@ class _Rounds:
                             "target": self.scenario.target})
         return still
 
-    def _partners(self, m: Measurement) -> list[tuple[str, str]]:
-        """The (cell, phase) contrasts m is judged on: with the auto cells of its group that
-        differ from it in one setting (a finished partner's rounds are complete)."""
-        return [(o, ph) for o, ph in self.partners.get(m.id, [])
-                if o not in self.failed and self.by_id[o].settings.policy.auto]
-
-    def _widest(self, m: Measurement) -> float | None:
-        """The widest interval m is judged on (harness.core.rounds.widest_ci)."""
-        def series(cell: str, phase: str | None) -> dict:
-            return round_series(self.by_id[cell], self.reps[cell], phase)
-
-        return widest_ci(m.id, self._partners(m), series, self.scenario.target)
-
-    def _resumed_cell(self, m: Measurement):
-        """A cell whose repetitions all landed before an interruption: its context set up and
-        warmed again now, so its record states the setup it was measured with."""
-        from .engine.measure import Cell
-
-        if m.model.key not in self.models:
-            return None
-        return Cell(self.models[m.model.key], m, self.scenario.seed, self.pages.get(m.model.key))
-
     def _write_measurement(self, m: Measurement, reason: str, ci: float | None) -> None:
         from .engine.measure import make_record
 
-        cell = self.cells.pop(m.id, None) or self._resumed_cell(m)
+        cell = self.group.take(m)
         reps = [r.rep for r in self.reps[m.id]]
         idle = [r.idle_other_cores for r in self.writer.records.rounds
                 if r.round in {x.round for x in self.reps[m.id]}]
@@ -424,11 +477,11 @@ class _Rounds:
         run = {"stopped_by": reason, "policy": m.settings.policy.__dict__,
                "span_seq": [self.reps[m.id][0].seq, self.reps[m.id][-1].seq],
                "ci_reached": ci, "target": self.scenario.target,
-               "partners": [list(p) for p in self.partners.get(m.id, [])]}
+               "partners": [list(p) for p in self.contrasts.partners.get(m.id, [])]}
         setup = cell.setup if cell else None  # missing: the model is not loaded now
         warmups = cell.warmups if cell else []
         started = cell.started if cell else self.reps[m.id][0].at
-        self.writer.append(make_record(m, self.infos[m.model.key], warmups, reps, setup,
+        self.writer.append(make_record(m, self.group.infos[m.model.key], warmups, reps, setup,
                                        reading, started, run))
         self.console.advance(self.writer.records.measurements[-1])
         if cell:
