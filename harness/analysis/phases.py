@@ -192,13 +192,13 @@ def phase_use(decode: list[dict], prefill: list[dict], models: dict) -> list[dic
         out.append(base | {"phase": "prefill", "n_prompt": p["n_prompt"],
                            "gflop_s": p["gflop_s"], "gb_s": prefill_gb_s,
                            "compute_share": p["share_of_peak"],
-                           "compute_share_ci": p.get("share_of_peak_ci"),
+                           "compute_share_ci": p["share_of_peak_ci"],
                            "stream_share": prefill_gb_s / stream if stream else None})
         out.append(base | {"phase": "decode", "gflop_s": decode_gflop_s,
                            "gb_s": d["effective_gb_s"],
                            "compute_share": decode_gflop_s / peak if peak else None,
                            "stream_share": d["share_of_stream"],
-                           "stream_share_ci": d.get("share_of_stream_ci")})
+                           "stream_share_ci": d["share_of_stream_ci"]})
     return out
 
 

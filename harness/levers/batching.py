@@ -102,7 +102,7 @@ def analyze(measurements: list[Measurement], models: dict[str, Model], probes: l
 # --- table
 
 def batching_table(analysis: dict) -> list[Table]:
-    rows = analysis.get("batching") or []
+    rows = analysis["batching"]
     if not rows:
         return []
     return [Table("batching", "Batching: independent sequences decoded together", [
@@ -194,7 +194,7 @@ def batching_finding(rows: list[dict]) -> str:
 
 
 def batching(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis.get("batching") or []
+    rows = analysis["batching"]
     if not rows:
         return None
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))

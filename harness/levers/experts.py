@@ -135,10 +135,10 @@ def analyze(measurements: list[Measurement], models: dict[str, Model], probes: l
 # --- table
 
 def experts_table(analysis: dict) -> list[Table]:
-    rows = analysis.get("experts") or []
+    rows = analysis["experts"]
     if not rows:
         return []
-    return [_experts_main_table(rows)] + _routing_summary(analysis.get("routing") or [])
+    return [_experts_main_table(rows)] + _routing_summary(analysis["routing"])
 
 
 REPEAT_NOTE = (" Sharing any: the share of consecutive decode steps with at least one expert in "
@@ -222,7 +222,7 @@ def experts_finding(rows: list[dict]) -> str:
 
 
 def experts(analysis: dict, out_dir: Path) -> str | None:
-    rows = [r for r in analysis.get("experts") or [] if r["by_file_tok_s"]]
+    rows = [r for r in analysis["experts"] if r["by_file_tok_s"]]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(8, 4))

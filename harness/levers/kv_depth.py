@@ -126,7 +126,7 @@ def _drift_notes(rows: list[dict]) -> list[str]:
 
 
 def kv_tables(analysis: dict) -> list[Table]:
-    rows = analysis.get("kv_depth") or []
+    rows = analysis["kv_depth"]
     if not rows:
         return []
     depth = Table("kv_depth", "KV cache: decode at context depth", [
@@ -157,7 +157,7 @@ def kv_tables(analysis: dict) -> list[Table]:
         Column("context", "context", "int"), Column("KV per user (GiB)", "kv_per_user", "gib3"),
         Column("1 user (GiB)", "users_1", "gib"), Column("8 users (GiB)", "users_8", "gib"),
         Column("32 users (GiB)", "users_32", "gib"),
-        Column("128 users (GiB)", "users_128", "gib")], analysis.get("kv_memory") or [],
+        Column("128 users (GiB)", "users_128", "gib")], analysis["kv_memory"],
         ["Estimates, not measurements: weights once plus each user's full-context KV cache "
          "(llama.cpp keeps a cell per token per sequence); compute buffers come on top."])
     return [depth, memory]
@@ -174,7 +174,7 @@ def kv_finding(rows: list[dict]) -> str:
 
 
 def kv_depth(analysis: dict, out_dir: Path) -> str | None:
-    rows = [r for r in analysis.get("kv_depth") or [] if r.get("measured_slowdown")]
+    rows = [r for r in analysis["kv_depth"] if r.get("measured_slowdown")]
     if len({r["depth"] for r in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -52,7 +52,7 @@ def analyze(measurements: list[Measurement], models: dict[str, Model], probes: l
 # --- table
 
 def prefix_table(analysis: dict) -> list[Table]:
-    rows = analysis.get("prefix") or []
+    rows = analysis["prefix"]
     if not rows:
         return []
     return [Table("prefix", "Prefix caching: time to first token", [
@@ -86,7 +86,7 @@ def prefix_finding(rows: list[dict]) -> str:
 
 
 def prefix_cache(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis.get("prefix") or []
+    rows = analysis["prefix"]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7, 1.2 + 1.1 * len(rows)))

@@ -89,7 +89,7 @@ def _shares(shares: dict) -> str:
 
 
 def quant_tables(analysis: dict) -> list[Table]:
-    rows = analysis.get("quant") or []
+    rows = analysis["quant"]
     if not rows:
         return []
     speed = Table("quant", "Quantization: fewer bytes per token, faster decode", [
@@ -153,7 +153,7 @@ def quant_finding(rows: list[dict]) -> str:
 def quant_speedup(analysis: dict, out_dir: Path) -> str | None:
     """Decode and prefill side by side, one colour per weight type in a legend (labels beside
     the points overlapped where types cut the bytes alike), one marker per model."""
-    rows = [r for r in analysis.get("quant") or [] if r["dtype"] != r["baseline"]]
+    rows = [r for r in analysis["quant"] if r["dtype"] != r["baseline"]]
     if not rows:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)

@@ -82,7 +82,7 @@ def analyze(measurements: list[Measurement], models: dict[str, Model], probes: l
 # --- table
 
 def threads_table(analysis: dict) -> list[Table]:
-    rows = analysis.get("threads") or []
+    rows = analysis["threads"]
     if not rows:
         return []
     names = {"compute_gflop_s": "ggml compute peak", "stream_gb_s": "ggml streaming"}
@@ -162,7 +162,7 @@ def threads_finding(rows: list[dict]) -> str:
 
 
 def threads(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis.get("threads") or []
+    rows = analysis["threads"]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))

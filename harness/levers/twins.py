@@ -106,7 +106,7 @@ def twin_finding(rows: list[dict]) -> str:
 
 
 def twin_table(analysis: dict) -> list[Table]:
-    rows = analysis.get("twins") or []
+    rows = analysis["twins"]
     if not rows:
         return []
     shown = [r | {"verdict_words": VERDICT_WORDS[r["verdict"]],
@@ -168,7 +168,7 @@ def _range(values: list[float]) -> str:
 
 
 def twin_plot(analysis: dict, out_dir: Path) -> str | None:
-    rows = analysis.get("twins") or []
+    rows = analysis["twins"]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.7 * len(rows)))

@@ -26,7 +26,7 @@ def contrast_rows(runs: list[tuple[str, object]], analyses: list[dict]) -> list[
     interval, and the other's ÷ the first's."""
     def keyed(a: dict) -> dict:
         return {(c["numerator"], c["denominator"], c["metric"]): c
-                for c in a.get("contrasts") or []}
+                for c in a["contrasts"]}
 
     base = keyed(analyses[0])
     others = [keyed(a) for a in analyses[1:]]

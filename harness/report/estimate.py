@@ -23,10 +23,7 @@ def run_estimate(analysis: dict, model: str, dtype: str, context: int, n_prompt:
     """The estimate for one spec and type on the run's machine or on named hardware."""
     get_dtype(dtype, key="--dtype")
     spec = _spec(analysis, model)
-    mm = analysis.get("machine_model")
-    if not mm:
-        raise HarnessError("this run has no model of its machine (an analysis from before "
-                           "it existed)", fix="re-render it: harness report RUN")
+    mm = analysis["machine_model"]
     here = estimate(mm, spec, dtype, threads=threads, context=context, n_prompt=n_prompt)
     if hardware == "this":
         return here | {"hardware": "this machine"}
@@ -49,7 +46,7 @@ def run_estimate(analysis: dict, model: str, dtype: str, context: int, n_prompt:
 
 
 def _spec(analysis: dict, model: str) -> ModelSpec:
-    for m in ((analysis.get("machine_model") or {}).get("models") or {}).values():
+    for m in analysis["machine_model"]["models"].values():
         if m.get("spec") and m["spec"]["name"] == model:
             return ModelSpec(**m["spec"])
     return resolve_spec(model)

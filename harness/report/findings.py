@@ -117,7 +117,7 @@ def _size_finding(a: dict) -> list[str]:
 
 def _experts_finding(a: dict) -> list[str]:
     out = []
-    for r in a.get("experts") or []:
+    for r in a["experts"]:
         if r["follows"]:
             out.append(
                 f"{r['model']} ({r['dtype'].upper()}, a mixture of experts using {r['experts']} "
@@ -130,7 +130,7 @@ def _experts_finding(a: dict) -> list[str]:
 
 
 def _use_finding(a: dict) -> list[str]:
-    use = a.get("phase_use") or []
+    use = a["phase_use"]
     # the configuration the page is about: the most threads, then the first model
     pre = max((u for u in use if u["phase"] == "prefill"), key=lambda u: u["threads"],
               default=None)
@@ -160,7 +160,7 @@ def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
     if len({r["n_prompt"] for r in pre}) < 2:
         return []
     short, long = min(pre, key=lambda r: r["n_prompt"]), max(pre, key=lambda r: r["n_prompt"])
-    c = next((c for c in a.get("prompt_lengths") or [] if c["numerator"] == long["id"]
+    c = next((c for c in a["prompt_lengths"] if c["numerator"] == long["id"]
               and c["denominator"] == short["id"]), None)
     paired = (f", {times(c['ratio'], c)} that rate, "
               f"{'round by round' if c.get('paired') else 'unpaired'}" if c else "")
@@ -172,7 +172,7 @@ def _long_prompt_finding(a: dict, main: tuple | None) -> list[str]:
 
 def _attention_clause(a: dict, long: dict) -> str:
     """Why a long prompt is slower per token, from the run's prefill model."""
-    for p in (a.get("machine_model") or {}).get("prefill") or []:
+    for p in a["machine_model"]["prefill"]:
         for pt in p["points"]:
             if pt["id"] == long["id"] and pt["n_prompt"] > p["calibrated_at"]:
                 return (f": attention is {pt['attention_flop_share']:.0%} of its FLOPs but "
@@ -194,7 +194,7 @@ def type_words(dtype: str) -> str:
 
 def _model_finding(a: dict) -> list[str]:
     """The decode model per weight type: its fixed cost and achieved bandwidth."""
-    rows = [d for d in (a.get("machine_model") or {}).get("decode") or [] if d.get("gb_s")]
+    rows = [d for d in a["machine_model"]["decode"] if d.get("gb_s")]
     if not rows:
         return []
     several = len({d["threads"] for d in rows}) > 1
@@ -222,7 +222,7 @@ def _model_finding(a: dict) -> list[str]:
 
 
 def _quant_finding(a: dict) -> list[str]:
-    q = [r for r in a.get("quant") or [] if r["dtype"] != r["baseline"]
+    q = [r for r in a["quant"] if r["dtype"] != r["baseline"]
          and r.get("decode_speedup") and r.get("prefill_speedup")]
     if not q:
         return []
@@ -235,7 +235,7 @@ def _quant_finding(a: dict) -> list[str]:
 
 
 def _batch_finding(a: dict) -> list[str]:
-    rows = [r for r in a.get("batching") or [] if r["parallel"] > 1 and r.get("speedup")]
+    rows = [r for r in a["batching"] if r["parallel"] > 1 and r.get("speedup")]
     if not rows:
         return []
     models = sorted({(r.get("model", ""), r.get("dtype", "")) for r in rows})
@@ -254,7 +254,7 @@ def _batch_finding(a: dict) -> list[str]:
 
 
 def _kv_finding(a: dict) -> list[str]:
-    rows = [r for r in a.get("kv_depth") or [] if r["depth"] and r["kv_type"] == "f16"
+    rows = [r for r in a["kv_depth"] if r["depth"] and r["kv_type"] == "f16"
             and r.get("measured_slowdown")]
     if not rows:
         return []
@@ -268,7 +268,7 @@ def _kv_finding(a: dict) -> list[str]:
 def _threads_finding(a: dict) -> list[str]:
     out = []
     for phase in ("prefill", "decode"):
-        rows = [r for r in a.get("threads") or [] if r["phase"] == phase and r.get("speedup")]
+        rows = [r for r in a["threads"] if r["phase"] == phase and r.get("speedup")]
         if len({r["threads"] for r in rows}) < 2:
             continue
         lo, hi = min(rows, key=lambda r: r["threads"]), max(rows, key=lambda r: r["threads"])
@@ -283,11 +283,11 @@ def _twin_finding(a: dict) -> list[str]:
     """The lesson's premise checked: each twin ÷ real ratio in words."""
     from ..levers.twins import twin_sentence
 
-    return [twin_sentence(r) for r in a.get("twins") or []]
+    return [twin_sentence(r) for r in a["twins"]]
 
 
 def _prefix_finding(a: dict) -> list[str]:
-    rows = [r for r in a.get("prefix") or [] if r.get("seq_copy_s")]
+    rows = [r for r in a["prefix"] if r.get("seq_copy_s")]
     if not rows:
         return []
     r = rows[0]

@@ -23,7 +23,7 @@ def machine_key(env: dict) -> tuple:
 
 
 def _ceiling(analysis: dict, threads: int, what: tuple) -> float | None:
-    return next((c["before"] for c in analysis.get("ceilings") or []
+    return next((c["before"] for c in analysis["ceilings"]
                  if c["threads"] == threads and tuple(c["what"]) == what and c["before"]), None)
 
 
@@ -42,7 +42,7 @@ def machine_rows(runs: list[tuple[str, dict, dict]]) -> dict:
             if key not in decode or r["tok_s"]["n"] > decode[key]["tok_s"]["n"]:
                 decode[key] = r | {"run": name}
     prefill = [r["gflop_s"] for _, _, a in runs for r in a["prefill"] if r.get("gflop_s")]
-    fits = [(name, f) for name, _, a in runs for f in a.get("fits") or []]
+    fits = [(name, f) for name, _, a in runs for f in a["fits"]]
     return {"env": env, "threads": threads, "ceilings": ceilings, "decode": decode,
             "fits": fits, "prefill_gflop_s": max(prefill, default=None),
             "runs": [name for name, _, _ in runs]}
@@ -101,7 +101,7 @@ def decode_table(data: dict) -> Table:
                          if r["stream_ceiling"]["value"] else None)
             rows.append({"machine": label, "model": model, "dtype": dtype, "threads": threads,
                          "tok_s": r["tok_s"], "gb_s": r["effective_gb_s"],
-                         "share": r.get("share_of_stream_ci") or (
+                         "share": r["share_of_stream_ci"] or (
                              {"n": 1, "median": r["share_of_stream"]}
                              if r["share_of_stream"] is not None else None),
                          "predicted": predicted,

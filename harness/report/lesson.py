@@ -96,7 +96,7 @@ def size_table(data: dict) -> Table | None:
              "gib": r["file_bytes_per_token"],
              "gb": r["bytes_per_token"], "tok_s": r["tok_s"], "ms": inverse(r["tok_s"]),
              "gb_s": r["effective_gb_s"],
-             "stream": share_summary(r["share_of_stream"], r.get("share_of_stream_ci")),
+             "stream": share_summary(r["share_of_stream"], r["share_of_stream_ci"]),
              "read": r["share_of_read"], "flags": ", ".join(r["flags"])}
             for r in a["decode"] if r["id"] in ids]
     if len({r["gb"] for r in rows}) < 2:
@@ -145,7 +145,7 @@ def use_table(data: dict) -> Table | None:
          + ("A mixture of experts' ubatch reads the union of its tokens' experts (as the run "
             "recorded them for a ubatch of that size, else the expected union with every "
             "token picking k of E at random), one decode token k of E. "
-            if any(u.get("moe") for u in rows) else "") +
+            if any(u["moe"] for u in rows) else "") +
          "Compute peak and streaming bandwidth: llama.cpp's own kernels for this model's "
          "weight types, measured in this run."] + ceiling_share_notes(
             [_own_share(u) for u in rows]))
@@ -219,7 +219,7 @@ def _slowdown_why(f: dict, r: dict, a: dict, ref: dict) -> list[str]:
                key=lambda g: g["prompt"], default=None)
     if base is None or base["prompt"] == f["prompt"]:
         return []
-    fit = next((p for p in (a.get("machine_model") or {}).get("prefill") or []
+    fit = next((p for p in a["machine_model"]["prefill"]
                 if p["model"] == f["model"] and p["dtype"] == f["dtype"]
                 and p["threads"] == r["threads"]), None)
     points = {pt["n_prompt"]: pt for pt in (fit or {}).get("points", [])}
@@ -244,7 +244,7 @@ def _slowdown_why(f: dict, r: dict, a: dict, ref: dict) -> list[str]:
 
 def _decode_why(f: dict, row: dict, ref: dict, ratio: float) -> str:
     """Decode's share of the plain memory copy here against the course's own share."""
-    copy = (row.get("copy_ceiling") or {}).get("value")
+    copy = row["copy_ceiling"]["value"]
     if not copy or not ref.get("memory_gb_s"):
         return "depends on memory bandwidth (no copy figure to compare)"
     here = row["effective_gb_s"] / copy

@@ -37,7 +37,7 @@ def prefill_table(analysis: dict) -> Table:
     rows = [{"model": r["model"], "dtype": r["dtype"], "threads": r["threads"],
              "n_prompt": r["n_prompt"], "seconds": r["seconds"], "tok_s": r["tok_s"],
              "gflop_s": r["gflop_s"], "peak": r["compute_peak"]["value"],
-             "share": share_summary(r["share_of_peak"], r.get("share_of_peak_ci")),
+             "share": share_summary(r["share_of_peak"], r["share_of_peak_ci"]),
              "n": r["tok_s"]["n"],
              "notes": notes_for(r | {"prefill_tok_s": r["tok_s"]}, ("prefill",))}
             for r in analysis["prefill"] if r["n_gen"] == 0]
@@ -68,12 +68,12 @@ def decode_table(analysis: dict) -> Table:
                      "test": f"{r['n_gen']} after {r['n_prompt']}", "tok_s": r["tok_s"],
                      "ms": inverse(r["tok_s"]), "gb_s": r["effective_gb_s"],
                      "stream": r["stream_ceiling"]["value"],
-                     "share": share_summary(r["share_of_stream"], r.get("share_of_stream_ci")),
+                     "share": share_summary(r["share_of_stream"], r["share_of_stream_ci"]),
                      "read": r["read_ceiling"]["value"], "share_read": r["share_of_read"],
                      "n": r["tok_s"]["n"],
                      "notes": notes_for(r | {"decode_tok_s": r["tok_s"]}, ("decode",))})
     rows.sort(key=lambda x: (x["threads"], x["bytes"]))
-    moe = sorted({r["model"] for r in analysis["decode"] if r.get("moe")})
+    moe = sorted({r["model"] for r in analysis["decode"] if r["moe"]})
     notes = ["size is every tensor's bytes (the file-size convention, llama-bench's "
              "model_size), in GiB (2³⁰ bytes); read per token is what one decode step reads, in "
              "GB (10⁹ bytes): every weight, the token embedding as one row unless tied to the "
@@ -115,7 +115,7 @@ def share_summary(share: float | None, by_round: dict | None) -> dict | None:
 def read_share_notes(rows: list[dict]) -> list[str]:
     """Why decode can exceed numpy's read: it is no ceiling (said where such a share shows)."""
     above = sorted({f"{r['model']} {r['dtype']} ({r['share_of_read']:.0%})" for r in rows
-                    if (r.get("share_of_read") or 0) > 1})
+                    if (r["share_of_read"] or 0) > 1})
     if not above:
         return []
     return [f"Decode above numpy's read bandwidth ({', '.join(above)}): numpy's read is a "
@@ -161,7 +161,7 @@ def ceilings_table(analysis: dict) -> Table:
              "ubatch). Beside: the range of the short probes "
              "taken before each round (how many in brackets)."]
     notes += [f"Probe failed: {e}; that ceiling is missing." for e in analysis["probe_errors"]]
-    notes += stability_lines(analysis.get("stability") or {})
+    notes += stability_lines(analysis["stability"])
     return Table("ceilings", "Measured ceilings of this machine", [
         Column("threads", "threads", "int"), Column("ceiling", "what"),
         Column("layout", "layout"), Column("before the run", "before", "f1"),
@@ -257,7 +257,7 @@ def _tok_s_cell(value: float | None, ci: list | None = None, why: str | None = N
 def estimates_table(analysis: dict) -> list[Table]:
     """Estimated decode tok/s of the run's models and a few common sizes, here and on
     reference hardware with sourced per-type figures: at most 6 columns."""
-    p = analysis.get("predictions") or {}
+    p = analysis["predictions"]
     if not p.get("rows"):
         return []
     hw = p["hardware"]
@@ -313,7 +313,7 @@ def estimates_table(analysis: dict) -> list[Table]:
 
 
 def _share_range(analysis: dict) -> str:
-    shares = [d["share_of_stream"] for d in (analysis.get("machine_model") or {}).get("decode")
+    shares = [d["share_of_stream"] for d in analysis["machine_model"]["decode"]
               or [] if d.get("share_of_stream")]
     if not shares:
         return ""
@@ -326,7 +326,7 @@ def decode_model_table(analysis: dict) -> list[Table]:
     """The decode part of the run's model: per weight type, the fixed cost, the achieved
     bandwidth and its share of the streaming ceiling, each model's residual, and the line
     with an intercept where the run has 3 or more sizes."""
-    mm = analysis.get("machine_model") or {}
+    mm = analysis["machine_model"]
     rows = []
     for d in mm.get("decode") or []:
         if not d.get("gb_s"):
@@ -380,7 +380,7 @@ def decode_model_table(analysis: dict) -> list[Table]:
 
 def flash_sentence(analysis: dict) -> str:
     """Whether flash attention ran in the prefills the model is set beside."""
-    used = {r["id"]: r.get("flash_attn_used") for r in analysis.get("prefill") or []
+    used = {r["id"]: r["flash_attn_used"] for r in analysis["prefill"]
             if r["n_gen"] == 0}
     if used and all(v is True for v in used.values()):
         return ("Flash attention ran in every prefill here (llama.cpp's auto resolved to on, "
@@ -412,7 +412,7 @@ def fixed_cost_sentence(mm: dict) -> str:
 
 def prefill_model_table(analysis: dict) -> list[Table]:
     """The prefill part of the run's model against the measured prompt lengths."""
-    mm = analysis.get("machine_model") or {}
+    mm = analysis["machine_model"]
     rows = []
     for p in mm.get("prefill") or []:
         if len(p["points"]) < 2:
@@ -477,7 +477,7 @@ def report_data(records, analysis: dict) -> dict:
             "missing": missing(records), "failures": [to_dict(f) for f in records.failures],
             "n_measurements": len(records.measurements),
             "method": method_text(records),
-            "contrasts": analysis.get("contrasts", []), "claims": claims,
+            "contrasts": analysis["contrasts"], "claims": claims,
             "machine_drift": analysis.get("machine_drift")}
 
 

@@ -38,7 +38,7 @@ def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
     xs_all += [x for x, _, _ in published]
     grid = [min(xs_all) * 0.7 * (max(xs_all) * 1.4 / (min(xs_all) * 0.7)) ** (i / 99)
             for i in range(100)]
-    for d in (analysis.get("machine_model") or {}).get("decode") or []:
+    for d in analysis["machine_model"]["decode"]:
         if not d.get("gb_s") or d["dtype"] not in colors:
             continue
         fixed = sum(d["fixed_s"].values()) / len(d["fixed_s"])

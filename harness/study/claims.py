@@ -25,7 +25,7 @@ def _not_measured(why: str) -> dict:
 def _size_rows(analysis: dict) -> list[dict]:
     """The decode rows the fit at the most threads compared (one per model, one weight type),
     smallest first; the F32 decode rows of runs stored before fits named their rows."""
-    fit = max(analysis.get("fits") or [], key=lambda f: f["threads"], default=None)
+    fit = max(analysis["fits"], key=lambda f: f["threads"], default=None)
     if fit and fit.get("ids"):
         rows = [r for r in analysis["decode"] if r["id"] in fit["ids"]]
     else:
@@ -83,7 +83,7 @@ def _verdict(parts: list[tuple[str, dict | None, float | None, float | None]]) -
 
 
 def _decode_follows_bytes(claim: dict, analysis: dict, env: dict) -> dict:
-    fit = max(analysis.get("fits") or [], key=lambda f: f["threads"], default=None)
+    fit = max(analysis["fits"], key=lambda f: f["threads"], default=None)
     pairs = (fit or {}).get("size_contrasts") or []
     if not pairs:
         return _not_measured("needs decode of two model sizes")
@@ -107,14 +107,14 @@ def _undecided(out: dict) -> str:
 
 
 def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
-    use = analysis.get("phase_use") or []
+    use = analysis["phase_use"]
     pre = next((u for u in use if u["phase"] == "prefill" and u.get("compute_share")), None)
     dec = next((u for u in use if u["phase"] == "decode" and u.get("stream_share")), None)
     if not pre or not dec:
         return _not_measured("needs prefill and decode with their ceilings measured")
     need = claim["min_share"]
-    pre_c = pre.get("compute_share_ci") or {"n": 1, "median": pre["compute_share"]}
-    dec_c = dec.get("stream_share_ci") or {"n": 1, "median": dec["stream_share"]}
+    pre_c = pre["compute_share_ci"] or {"n": 1, "median": pre["compute_share"]}
+    dec_c = dec["stream_share_ci"] or {"n": 1, "median": dec["stream_share"]}
     out = _verdict([("prefill's share of the compute peak", pre_c, need, None),
                     ("decode's share of the streaming ceiling", dec_c, need, None)])
     if out["verdict"] != "does not hold" and not (
@@ -130,7 +130,7 @@ def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
 
 
 def _quant(claim: dict, analysis: dict, env: dict) -> dict:
-    rows = analysis.get("quant") or []
+    rows = analysis["quant"]
     q = next((r for r in rows if r["dtype"] == claim["dtype"] and r["baseline"] == "f32"), None)
     if not q or q.get("decode_speedup") is None or q.get("prefill_speedup") is None:
         return _not_measured(f"needs decode and prefill of {claim['dtype']} beside F32")
@@ -157,7 +157,7 @@ def _cpu_features(env: dict) -> str:
 
 
 def _batching(claim: dict, analysis: dict, env: dict) -> dict:
-    rows = analysis.get("batching") or []
+    rows = analysis["batching"]
     row = next((r for r in rows if r["parallel"] == claim["parallel"] and r.get("speedup")),
                None)
     if not row:
@@ -202,8 +202,8 @@ def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
 def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
     parts = []
     for r in _size_rows(analysis):
-        copy = r.get("copy_ceiling") or {}
-        if not copy.get("value"):
+        copy = r["copy_ceiling"]
+        if not copy["value"]:
             continue
         spread = copy.get("spread") or 0.0
         yardstick = {"n": 1, "median": copy["value"],
@@ -226,7 +226,7 @@ def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
 def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
     """Each named workload's prefill share of its time on the run's main configuration (the
     first model and type decoded, at the most threads), above or below one half."""
-    rows = analysis.get("workloads") or []
+    rows = analysis["workloads"]
     if not rows:
         return _not_measured("no workload rows: the run needs prefill and decode of one model")
     threads = max(r["threads"] for r in rows)
