@@ -666,10 +666,10 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> No
     from .serving import load_serving_run, rerender_serving
 
     if load_serving_run(run_dir) is not None:
-        if out or fmt != "md":
-            raise HarnessError("a serving run's page is report.md beside its results",
-                               key="--out/--format", fix="drop them")
-        click.echo(str(rerender_serving(run_dir)))
+        if fmt != "md":
+            raise HarnessError("a serving run's page is markdown only", key="--format",
+                               fix="drop --format (its records are in results.jsonl)")
+        click.echo(str(rerender_serving(run_dir, out)))
         return
 
     directory, records = load_run(run_dir)

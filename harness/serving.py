@@ -409,12 +409,12 @@ def with_roofline(records: Records) -> list[dict]:
     return rows
 
 
-def rerender_serving(run_dir: Path) -> Path:
-    """Write a serving run's page (and plots) again from its results."""
-    _write_page(run_dir, *load_serving_run(run_dir))
-    return run_dir / "report.md"
-
-
-def _write_page(out_dir: Path, header: dict, levels: list[dict]) -> None:
-    plots = write_serving_plots(levels, out_dir)
-    write_text_atomically(out_dir / "report.md", render_serving_page(header, levels, plots))
+def rerender_serving(run_dir: Path, out: Path | None = None) -> Path:
+    """Write a serving run's page (out, by default report.md beside its results) and its
+    plots (beside the page) again from its results; returns the page's path."""
+    out = out or (run_dir if run_dir.is_dir() else run_dir.parent) / "report.md"
+    header, levels = load_serving_run(run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plots = write_serving_plots(levels, out.parent)
+    write_text_atomically(out, render_serving_page(header, levels, plots))
+    return out

@@ -49,3 +49,13 @@ def test_committed_plots_re_render_byte_for_byte(name, tmp_path):
                                                                                  ".svg"))
     for plot in plots:
         assert (out / plot).read_bytes() == (run / plot).read_bytes(), plot
+
+
+def test_a_serving_page_renders_where_it_is_asked_to(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: None)
+    page = tmp_path / "pages" / "serving.md"
+    result = run_cli("report", str(REPORTS / "serving"), "-o", str(page))
+    assert result.exit_code == 0, result.stderr
+    assert page.read_bytes() == (REPORTS / "serving" / "report.md").read_bytes()
+    refused = run_cli("report", str(REPORTS / "serving"), "--format", "csv")
+    assert refused.exit_code == 2 and "markdown only" in refused.stderr
