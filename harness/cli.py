@@ -532,7 +532,7 @@ def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
     """Validate SCENARIO and list what `run` would measure, without running anything."""
     from .engine.env import physical_cores
     from .engine.scenario import load_scenario
-    from .report.tables import repetitions_label, test_label
+    from .report.tables import repetitions_label
     from .runner import plan_summary, preflight
     from .servescenario import is_serving_scenario
 
@@ -553,7 +553,7 @@ def check(scenario: Path, cache_dir: Path | None, server: str | None = None,
     for m in plan.measurements:
         policy = repetitions_label(m.settings.policy, plan.target)
         click.echo(f"{m.id}  ({m.model.label} {m.model.dtype}, {m.settings.threads} threads, "
-                   f"{test_label(m)}, {policy} + "
+                   f"{m.cell.test}, {policy} + "
                    f"{m.settings.warmup} warm-up)")
     summary = plan_summary(plan, cache_dir)
     click.echo(f"{plan.title}: {len(plan.measurements)} measurements of "

@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -183,11 +184,11 @@ def test_compare_never_pairs_cells_run_at_other_contexts():
     _, full = load_run(RUNS / "tiny")
     _, other = load_run(RUNS / "tiny")
     first = other.measurements[0]
-    base, _, rest = first.id.partition("|pp")
-    other.measurements[0] = msgspec.structs.replace(first, id=f"{base}|ctx512|pp{rest}")
+    other.measurements[0] = msgspec.structs.replace(first, n_ctx=512,
+                                                    id=str(replace(first.cell, n_ctx=512)))
     _, mine = load_run(RUNS / "tiny")
-    mine.measurements[0] = msgspec.structs.replace(mine.measurements[0],
-                                                   id=f"{base}|ctx256|pp{rest}")
+    mine.measurements[0] = msgspec.structs.replace(first, n_ctx=256,
+                                                   id=str(replace(first.cell, n_ctx=256)))
     c = compare_runs([("mine", mine), ("other", other), ("old", full)])
     row = next(r for r in c["rows"] if r["id"] == mine.measurements[0].id)
     assert [o["summary"] for o in row["others"]] == [None, None]

@@ -141,3 +141,21 @@ def test_harness_run_into_a_serving_runs_folder_exits_2(run_cli, tmp_path):
     result = run_cli("run", str(scenario), "--out", str(tmp_path / "served"), "--resume")
     assert_user_error(result, "holds a serving run's results, not a measurement run's",
                       "choose another --out")
+
+
+def test_a_cell_id_is_printed_and_parsed_in_one_place():
+    from harness.core.cell import CellId
+    from harness.engine.scenario import load_scenario
+
+    plan = load_scenario(ROOT / "tests" / "scenarios" / "tiny.yaml", 1)
+    for m in plan.measurements:
+        assert CellId.parse(m.id) == m.cell and str(m.cell) == m.id
+    lever = CellId("m", "f32", 2, 2048, 512, True, 512, 16, 32, depth=1024, kv_type="q8_0",
+                   parallel=4, shared_prefix=64)
+    assert str(lever) == "m|f32|t2|b2048|ub512|fa-on|ctx512|pp16|tg32|d1024|kv-q8_0|np4|px64"
+    assert CellId.parse(str(lever)) == lever
+    assert lever.test == "px64+pp16+tg32@d1024 x4 kv=q8_0"
+    old = CellId.parse("tiny-qwen2|f32|t1|b2048|ub512|fa-auto|pp32|tg0")  # before contexts
+    assert old.n_ctx is None and old.test == "pp32" and old == lever.__class__.parse(str(old))
+    with pytest.raises(ValueError):
+        CellId.parse("m|f32|t1|zz9|pp1|tg1")

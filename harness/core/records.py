@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from .cell import CellId
+
 # 1: the first; 2: headers name their run kind, a served model has a key, the analysis is no
 # longer stored (it is recomputed from the records on every read).
 SCHEMA_VERSION = 2
@@ -134,6 +136,11 @@ class Measurement(Record, tag="measurement", kw_only=True):
     paired_slowdown: Summary | None = None
     ttft_reuse_s: dict[str, Summary] | None = None
     flags: list[str] = []
+
+    @property
+    def cell(self) -> CellId:
+        """The cell this measures (its id, printed from the same settings)."""
+        return CellId.of(self)
 
 
 class Repetition(Record, tag="repetition", kw_only=True):

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..core.cell import CellId
 from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from ..core.errors import HarnessError
 from ..core.reference import load_reference
@@ -128,17 +129,15 @@ class Measurement:
     shared_prefix: int = 0  # tokens of a cached prefix before the prompt (time to first token)
 
     @property
-    def id(self) -> str:
+    def cell(self) -> CellId:
         s = self.settings
-        fa = {None: "auto", True: "on", False: "off"}[s.flash_attn]
-        base = (f"{self.model.label}|{self.model.dtype}|t{s.threads}|b{s.n_batch}|"
-                f"ub{s.n_ubatch}|fa-{fa}|ctx{self.n_ctx}|pp{self.n_prompt}|tg{self.n_gen}")
-        # Levers at their defaults add nothing.
-        extra = [f"d{self.depth}" if self.depth else "",
-                 f"kv-{self.kv_type}" if self.kv_type != "f16" else "",
-                 f"np{self.parallel}" if self.parallel != 1 else "",
-                 f"px{self.shared_prefix}" if self.shared_prefix else ""]
-        return "|".join([base, *(e for e in extra if e)])
+        return CellId(self.model.label, self.model.dtype, s.threads, s.n_batch, s.n_ubatch,
+                      s.flash_attn, self.n_ctx, self.n_prompt, self.n_gen, self.depth,
+                      self.kv_type, self.parallel, self.shared_prefix)
+
+    @property
+    def id(self) -> str:
+        return str(self.cell)
 
     @property
     def pairing_key(self) -> tuple:

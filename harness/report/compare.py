@@ -6,8 +6,7 @@ excludes 1."""
 
 from __future__ import annotations
 
-import re
-
+from ..core.records import Measurement
 from ..core.stats import center, log_half_width, unpaired
 
 ENV_KEYS = ("cpu_model", "physical_cores", "ram_total_bytes", "os")
@@ -50,17 +49,13 @@ def _as_summary(c: dict | None) -> dict | None:
     return {"n": c.get("n", 1), "median": c["ratio"], "median_ci95": c.get("ci95")}
 
 
-_CTX = re.compile(r"\|ctx(\d+)(?=\|)")
-
-
-def other_context(m_id: str, rec) -> str | None:
+def other_context(m: Measurement, rec) -> str | None:
     """Where another run measured the same cell at another context (or before contexts were
     recorded): never paired, but named so the reader knows why it is missing."""
-    bare = _CTX.sub("", m_id)
+    bare = m.cell.without_context()
     for x in rec.measurements:
-        if x.id != m_id and _CTX.sub("", x.id) == bare:
-            found = _CTX.search(x.id)
-            return f"n_ctx {found.group(1)}" if found else "n_ctx not recorded"
+        if x.id != m.id and x.cell.without_context() == bare:
+            return f"n_ctx {x.n_ctx}" if x.n_ctx is not None else "n_ctx not recorded"
     return None
 
 
@@ -80,7 +75,7 @@ def compare_runs(runs: list[tuple[str, object]], analyses: list[dict] | None = N
                 b = getattr(other, metric) if other else None
                 if not b:
                     row["others"].append({"run": name, "summary": None,
-                                          "other_context": other_context(m.id, rec)})
+                                          "other_context": other_context(m, rec)})
                     continue
                 ratio = unpaired(b, a)
                 row["others"].append({"run": name, "summary": b, "ratio": ratio,

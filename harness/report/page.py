@@ -23,7 +23,6 @@ from ..render.tabular import (
 )
 from ..study.claims import check_claims
 from .findings import findings, main_model
-from .tables import test_label
 
 PLOTS = {
     "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
@@ -195,7 +194,7 @@ def repetitions_table(measurements: list[Measurement]) -> Table:
     words = {"target": "reached its CI target", "budget": "time budget", "max":
              "max_repetitions", "fixed": "fixed count",
              "alone": "min_repetitions (in no contrast)"}
-    rows = [{"cell": f"{m.model} {m.dtype} t{m.threads} {test_label(m)}",
+    rows = [{"cell": f"{m.model} {m.dtype} t{m.threads} {m.cell.test}",
              "n": m.repetitions, "stopped": words.get(m.stopped_by, m.stopped_by),
              "target": (m.policy or {}).get("target_ci")
              if (m.policy or {}).get("repetitions") is None else None,

@@ -150,34 +150,13 @@ def round_line(progress: dict) -> str:
             f"{progress['active']} go on{ci} [{progress['elapsed_s']:.0f} s]")
 
 
-def test_label(record) -> str:
-    """A cell's test (record: a Measurement record, or a planned cell of engine.scenario):
-    pp512 (prefill only), tg64 (decode from empty), pp16+tg64, then the levers:
-    tg32@d2048 (at a depth), kv=q8_0, x8 (8 sequences), px2048+pp32 (after a shared prefix)."""
-    if record.n_gen == 0:
-        label = f"pp{record.n_prompt}"
-    elif record.n_prompt == 0:
-        label = f"tg{record.n_gen}"
-    else:
-        label = f"pp{record.n_prompt}+tg{record.n_gen}"
-    if record.shared_prefix:
-        label = f"px{record.shared_prefix}+{label}"
-    if record.depth:
-        label += f"@d{record.depth}"
-    if record.parallel > 1:
-        label += f" x{record.parallel}"
-    if record.kv_type != "f16":
-        label += f" kv={record.kv_type}"
-    return label
-
-
 def render_summary(measurements: list[Measurement]) -> str:
     """The end-of-run table: tok/s with their 95% confidence intervals, and flags."""
     if not measurements:
         return "no measurements"
     headers = ["model", "dtype", "threads", "test", "prefill tok/s", "decode tok/s",
                "ms/token", "n", "flags"]
-    body = [[m.model, m.dtype, m.threads, test_label(m), _with_ci(m.prefill_tok_s),
+    body = [[m.model, m.dtype, m.threads, m.cell.test, _with_ci(m.prefill_tok_s),
              _with_ci(m.decode_tok_s), _with_ci(inverse(m.decode_tok_s)),
              m.repetitions, ", ".join(m.flags)] for m in measurements]
     return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
