@@ -6,7 +6,7 @@ from conftest import probe_record
 
 from harness.analysis.serving import level_roofline
 from harness.core.costs import decode_bound, decode_flops_per_token, model_costs
-from harness.core.records import typed
+from harness.core.records import to_dict, typed
 from harness.core.specs import resolve_spec
 from harness.report.serving import roofline_findings, roofline_table
 
@@ -54,6 +54,12 @@ WORKLOAD = {"n_prompt": 8, "n_generate": 4, "prefix_cache": False}
 
 def _level(concurrency: int, served_tok_s: float, probe_seqs: list[int], inprocess=None,
            per_round=None) -> dict:
+    """A level's page row: its record's fields (every one, as read) as a dict."""
+    return to_dict(typed(_level_fields(concurrency, served_tok_s, probe_seqs, inprocess,
+                                       per_round))) | {"seq": probe_seqs[-1] + 1}
+
+
+def _level_fields(concurrency, served_tok_s, probe_seqs, inprocess, per_round) -> dict:
     return {"type": "level", "level": f"c{concurrency}", "label": f"{concurrency} in flight",
             "concurrency": concurrency, "seq": probe_seqs[-1] + 1, "probe_seqs": probe_seqs,
             "server_prompt_ms": [2.0, 4.0, 3.0],

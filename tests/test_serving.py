@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness.core.records import to_dict, typed
 from harness.core.serving import (
     RequestTiming,
     distribution,
@@ -391,8 +392,10 @@ def test_a_difference_between_the_builds_is_said_with_the_measured_ratios():
 
     def level(label, served, inproc):
         summary = level_summary([RequestTiming(0.0, (0.1, 0.2), (1, 1), 0.2, 2, 8)], 0, 1.0)
-        return {"label": label, "summary": summary, "inprocess_decode_tok_s": [inproc, inproc],
-                "steady_decode": {"tok_s": served, "window_s": 1.0, "n_tokens": 9}}
+        return to_dict(typed({"type": "level", "level": label, "label": label,
+                              "summary": summary, "inprocess_decode_tok_s": [inproc, inproc],
+                              "steady_decode": {"tok_s": served, "window_s": 1.0,
+                                                "n_tokens": 9}}))
 
     levels = [level("1 in flight", 9.9, 10.0), level("4 in flight", 28.0, 40.0)]
     said = build_difference({"system_info": {"server": avx2, "inprocess": avx512}}, levels)

@@ -117,15 +117,15 @@ def estimate(mm: dict, spec: ModelSpec, dtype: str, *, threads: int | None = Non
     """Decode tok/s at `context` cached tokens and prefill of `n_prompt` tokens for any spec
     and weight type on the run's machine, from its model (harness.analysis.model), with 95%
     intervals and where each part came from; or why it cannot (it does not fit in memory)."""
-    ceil, fixed = int_keys(mm.get("ceilings")), int_keys(mm.get("fixed"))
+    ceil, fixed = int_keys(mm["ceilings"]), int_keys(mm["fixed"])
     threads = threads or max(ceil, default=None)
-    decode_n, file_n, bytes_from = nominal_n_bytes(spec, dtype, mm.get("models") or {})
+    decode_n, file_n, bytes_from = nominal_n_bytes(spec, dtype, mm["models"])
     fit_n = file_n + kv_bytes(spec, max(context, FIT_CONTEXT))
     out = {"model": spec.name, "dtype": dtype, "threads": threads, "context": context,
            "n_prompt": n_prompt, "estimate": True, "bytes_from": bytes_from,
            "decode_weight_n_bytes": decode_n, "file_n_bytes": file_n,
-           "memory_needed_n_bytes": fit_n, "ram_n_bytes": mm.get("ram_bytes"),
-           "fits_in_memory": None if not mm.get("ram_bytes") else fit_n <= mm["ram_bytes"]}
+           "memory_needed_n_bytes": fit_n, "ram_n_bytes": mm["ram_bytes"],
+           "fits_in_memory": None if not mm["ram_bytes"] else fit_n <= mm["ram_bytes"]}
     if threads not in ceil:
         return out | {"why": "the run probed no ceilings"} | _no_rates()
     if out["fits_in_memory"] is False:
@@ -144,7 +144,7 @@ def _no_rates() -> dict:
 
 def _decode_estimate(mm: dict, ceil: dict, fixed: dict, threads: int, spec: ModelSpec,
                      dtype: str, weight_n: float, context: int) -> dict:
-    measured = next((d for d in mm.get("decode") or [] if d["threads"] == threads
+    measured = next((d for d in mm["decode"] if d["threads"] == threads
                      and d["dtype"] == dtype and d.get("gb_s")), None)
     stream = ceil["stream"].get(ggml_type(dtype))
     width = row_width_factor(spec, dtype, ceil, threads)
@@ -183,7 +183,7 @@ def _decode_estimate(mm: dict, ceil: dict, fixed: dict, threads: int, spec: Mode
 def _prefill_estimate(mm: dict, ceil: dict, threads: int, spec: ModelSpec, dtype: str,
                       n_prompt: int) -> dict:
     attn_gflop_s, shape = attention_rate({threads: ceil}, threads, spec)
-    fits = [p for p in mm.get("prefill") or [] if p["threads"] == threads
+    fits = [p for p in mm["prefill"] if p["threads"] == threads
             and p["dtype"] == dtype]
     peak = ceil["compute"].get(ggml_type(dtype))
     if fits:
@@ -222,12 +222,12 @@ def predictions(mm: dict, specs: dict[str, ModelSpec], run_models: list[str],
         if spec is None:
             continue
         for dtype in dtypes:
-            if dtype not in DTYPES and f"{name}|{dtype}" not in (mm.get("models") or {}):
+            if dtype not in DTYPES and f"{name}|{dtype}" not in mm["models"]:
                 continue  # a given file's own type ("file", "real", "twin", "built"): one model
             here = estimate(mm, spec, dtype, context=0)
             kv_fit = kv_bytes(spec, FIT_CONTEXT)
             rows.append(here | {"moe": spec.is_moe, "measured": any(
-                d["dtype"] == dtype and name in d["models"] for d in mm.get("decode") or []),
+                d["dtype"] == dtype and name in d["models"] for d in mm["decode"]),
                 "elsewhere": {k: on_hardware(hw, dtype, here["decode_weight_n_bytes"],
                                              here["file_n_bytes"], kv_fit)
                               for k, hw in HARDWARE.items()}})
@@ -251,11 +251,11 @@ def workload_balance(prefill: list[dict], decode: list[dict], kv_rows: list[dict
                for r in decode if config_key(r) == key]
         dec += [(r["depth"] + mean_decode_context(0, r["n_gen"]), r["tok_s"])
                 for r in kv_rows if config_key(r) == key and r["kv_type"] == "f16"]
-        model = (mm.get("models") or {}).get(f"{key[0]}|{key[1]}")
+        model = mm["models"].get(f"{key[0]}|{key[1]}")
         if not pre or not dec or not model:
             continue
         spec = ModelSpec(**model["spec"])
-        fit = next((p for p in mm.get("prefill") or [] if (p["model"], p["dtype"], p["threads"])
+        fit = next((p for p in mm["prefill"] if (p["model"], p["dtype"], p["threads"])
                     == key), None)
         for name, n_prompt, n_gen in WORKLOADS:
             out.append(_workload(mm, spec, key, (name, n_prompt, n_gen), pre, dec, fit))
@@ -270,7 +270,7 @@ def _workload(mm: dict, spec: ModelSpec, key: tuple, workload: tuple, pre: list[
     prefill_s = near["seconds"] * n_prompt / near["n_prompt"]
     if near["n_prompt"] != n_prompt:
         if fit:
-            rel = column_scale(int_keys(mm.get("ceilings")), key[2], key[1])
+            rel = column_scale(int_keys(mm["ceilings"]), key[2], key[1])
             prefill_s = near["seconds"] * (_prefill_s(spec, fit, n_prompt, rel)
                                            / _prefill_s(spec, fit, near["n_prompt"], rel))
             modelled.append(f"prefill of {n_prompt:,} tokens modelled from "

@@ -31,7 +31,7 @@ def run_estimate(analysis: dict, model: str, dtype: str, context: int, n_prompt:
         raise HarnessError(f"unknown hardware {hardware!r}", key="--hardware",
                            fix="choose one of " + ", ".join(h["name"] for h in hardware_list())
                            + " (harness estimate --list-hardware)")
-    decode_n, file_n, bytes_from = nominal_n_bytes(spec, dtype, mm.get("models") or {})
+    decode_n, file_n, bytes_from = nominal_n_bytes(spec, dtype, mm["models"])
     kv_n = kv_bytes(spec, max(context, FIT_CONTEXT))
     there = on_hardware(HARDWARE[hardware], dtype, decode_n + kv_bytes(spec, context + 1),
                         file_n, kv_n)

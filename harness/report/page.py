@@ -327,7 +327,7 @@ def decode_model_table(analysis: dict) -> list[Table]:
     with an intercept where the run has 3 or more sizes."""
     mm = analysis["machine_model"]
     rows = []
-    for d in mm.get("decode") or []:
+    for d in mm["decode"]:
         if not d.get("gb_s"):
             continue
         fixed_ms = sorted(v * 1e3 for v in d["fixed_s"].values())
@@ -345,7 +345,7 @@ def decode_model_table(analysis: dict) -> list[Table]:
                      if line.get("gb_s") else "–")})
     if not rows:
         return []
-    attention = sorted(v * 1e3 for d in mm.get("decode") or [] for v in
+    attention = sorted(v * 1e3 for d in mm["decode"] for v in
                        (d.get("attention_s") or {}).values())
     notes = [fixed_cost_sentence(mm), "bandwidth: the run's decodes of that type, the fixed "
              "cost and the attention over the cache taken out (" + (
@@ -395,7 +395,7 @@ def flash_sentence(analysis: dict) -> str:
 def fixed_cost_sentence(mm: dict) -> str:
     """What the fixed cost is, in a sentence, from the skeletons the run timed."""
     parts = []
-    for threads, archs in sorted((mm.get("fixed") or {}).items(), key=lambda kv: int(kv[0])):
+    for threads, archs in sorted(mm["fixed"].items(), key=lambda kv: int(kv[0])):
         for arch, line in sorted(archs.items()):
             parts.append(f"{arch} at {threads} thread{'s' if int(threads) != 1 else ''}: "
                          f"{line['base_s'] * 1e6:.0f} µs per step plus "
@@ -413,7 +413,7 @@ def prefill_model_table(analysis: dict) -> list[Table]:
     """The prefill part of the run's model against the measured prompt lengths."""
     mm = analysis["machine_model"]
     rows = []
-    for p in mm.get("prefill") or []:
+    for p in mm["prefill"]:
         if len(p["points"]) < 2:
             continue
         for pt in p["points"]:

@@ -29,16 +29,16 @@ def level_row(level: dict) -> dict:
            "request_s": s["request_s"], "output_tok_s": s["output_tok_s"],
            "goodput": s.get("goodput_request_s"),
            "server_prompt_ms": (statistics.median(level["server_prompt_ms"])
-                                if level.get("server_prompt_ms") else None),
-           "per_decode": (level.get("counters") or {}).get("tokens_per_decode_call"),
-           "busy_slots": (level.get("counters") or {}).get("busy_slots_per_decode_call")}
-    steady, ip = level.get("steady_decode"), level.get("inprocess_decode_tok_s")
+                                if level["server_prompt_ms"] else None),
+           "per_decode": (level["counters"] or {}).get("tokens_per_decode_call"),
+           "busy_slots": (level["counters"] or {}).get("busy_slots_per_decode_call")}
+    steady, ip = level["steady_decode"], level["inprocess_decode_tok_s"]
     row |= {"steady_tok_s": steady["tok_s"] if steady else None,
             "steady_window_s": steady["window_s"] if steady else None,
             "inprocess_tok_s": statistics.mean(ip) if ip else None,
             "inprocess_range": f"{min(ip):.1f}–{max(ip):.1f}" if ip else None}
-    if "rounds" in level:  # rounds alternating served and in-process: the paired estimate
-        if paired := (level["rounds"] or {}).get("served_of_inprocess"):
+    if level["rounds"]:  # rounds alternating served and in-process: the paired estimate
+        if paired := level["rounds"].get("served_of_inprocess"):
             row["served_of_inprocess"] = paired["ratio"]
             row["served_of_inprocess_stat"] = paired
             row["n_rounds"] = paired["n"]
@@ -78,12 +78,12 @@ def levels_table(levels: list[dict], slo: dict | None) -> Table:
 def server_identity(header: dict) -> str:
     """Which llama.cpp served: the harness's own build (and whether its commit is the bindings'),
     the xllamacpp wheel's, a binary the user gave, or an endpoint."""
-    server = header.get("server") or {}
+    server = header["server"] or {}
     if "slots" not in server:
         return f"the server at {server.get('endpoint')}"
     build = server.get("build")
     if build:
-        ours = ((header.get("system_info") or {}).get("inprocess_commit") or "").split("-")[0]
+        ours = ((header["system_info"] or {}).get("inprocess_commit") or "").split("-")[0]
         same = (" (the bindings' own commit)" if ours and build["llama_cpp_commit"].startswith(ours)
                 else f" (the bindings report {ours})" if ours else "")
         return (f"llama-server built by harness server build from llama-cpp-python "
@@ -143,7 +143,7 @@ def roofline_row(level: dict) -> dict | None:
     roof = level.get("roofline")
     if not roof or not roof.get("bound_tok_s"):
         return None
-    steady = level.get("steady_decode")
+    steady = level["steady_decode"]
     return {"level": level["label"], "in_flight": level["concurrency"],
             "sequences": roof["n_sequences"],
             "weights_mb": roof["weight_n_bytes"] / 1e6,
@@ -153,7 +153,7 @@ def roofline_row(level: dict) -> dict | None:
             "memory_ms": roof["memory_s"] * 1000, "compute_ms": roof["compute_s"] * 1000,
             "limiter": roof["limiter"], "bound_tok_s": roof["bound_tok_s"],
             "inprocess_tok_s": (statistics.geometric_mean(level["inprocess_decode_tok_s"])
-                                if level.get("inprocess_decode_tok_s") else None),
+                                if level["inprocess_decode_tok_s"] else None),
             "served_tok_s": steady["tok_s"] if steady else None,
             "served_share": (roof["served_share_stat"] or {"median": roof["served_share"],
                                                            "n": 1})
@@ -373,7 +373,7 @@ def _prefill_finding(p: dict) -> str:
 def _prompt_sharing_finding(levels: list[dict], slots: int | None) -> str | None:
     """How the server's own prompt time grew from 1 in flight to the most requests in flight
     within the slots, against how many prompts arrived together."""
-    closed = [lv for lv in levels if lv.get("concurrency") and lv.get("server_prompt_ms")
+    closed = [lv for lv in levels if lv["concurrency"] and lv["server_prompt_ms"]
               and (not slots or lv["concurrency"] <= slots)]
     first = next((lv for lv in closed if lv["concurrency"] == 1), None)
     top = closed[-1] if closed else None
@@ -394,9 +394,9 @@ def _prompt_sharing_finding(levels: list[dict], slots: int | None) -> str | None
 def _slots_findings(levels: list[dict], slots: int) -> list[str]:
     """Levels with more requests in flight than slots: the rest wait for a slot."""
     out = []
-    within = [lv for lv in levels if lv.get("concurrency") and lv["concurrency"] <= slots]
+    within = [lv for lv in levels if lv["concurrency"] and lv["concurrency"] <= slots]
     for lv in levels:
-        if not lv.get("concurrency") or lv["concurrency"] <= slots:
+        if not lv["concurrency"] or lv["concurrency"] <= slots:
             continue
         text = (f"At {lv['label']} the {slots} slots are the limit: {slots} requests decode "
                 f"together and {lv['concurrency'] - slots} wait")
@@ -422,7 +422,7 @@ def _behind_prompt_finding(levels: list[dict], slots: int | None) -> str | None:
     for lv in levels:
         s = lv["summary"]
         during, other = s.get("wait_on_prompt_s"), s.get("wait_otherwise_s")
-        if not during or (slots and (lv.get("concurrency") or 0) > slots):
+        if not during or (slots and (lv["concurrency"] or 0) > slots):
             continue
         n_all = during["n"] + (other["n"] if other else 0)
         against = (f", against p50 {_ms(other, 'p50'):.0f} ms for the other {other['n']}"
@@ -459,7 +459,7 @@ def cpu_features(system_info: str | None) -> set[str]:
 def build_difference(header: dict, levels: list[dict]) -> str | None:
     """A sentence on the CPU features one build uses and the other does not (when both are
     known and differ), with served ÷ in-process at the first and last compared level."""
-    info = header.get("system_info") or {}
+    info = header["system_info"] or {}
     server, inproc = cpu_features(info.get("server")), cpu_features(info.get("inprocess"))
     compared = [row for row in map(level_row, levels) if row.get("served_of_inprocess")]
     if not server or not inproc or server == inproc or not compared:
@@ -483,12 +483,12 @@ def findings(levels: list[dict]) -> list[str]:
     rows = [(lv, level_row(lv)) for lv in levels if lv["summary"]["n_ok"]]
     if not rows:
         return ["No request finished: nothing was measured."]
-    closed = [row for lv, row in rows if lv.get("concurrency")]
+    closed = [row for lv, row in rows if lv["concurrency"]]
     out = [_closed_finding(closed[0], row) for row in closed]
     out += [_served_finding(row) for row in closed
             if row.get("served_of_inprocess") and row.get("steady_tok_s")]
     for lv, row in rows:
-        if lv.get("rate"):
+        if lv["rate"]:
             out.append(f"At {row['level']} offered (Poisson): {row['request_s']:.2f} requests/s "
                        f"finished, {row['output_tok_s']:.1f} output tok/s; TTFT p50 "
                        f"{row['ttft_s_p50']:.1f} ms (p99 {row['ttft_s_p99']:.1f}), TPOT p50 "
@@ -531,10 +531,10 @@ def _or(value: float | None) -> str:
 def render_serving_page(header: dict, levels: list[dict],
                         plots: list[tuple[str, str]] = ()) -> str:
     """The whole page: title, setup, findings first, the table, and what was not measured."""
-    w, server = header.get("workload", {}), header.get("server", {})
+    w, server = header["workload"] or {}, header["server"] or {}
     where = server_identity(header) + (f", {server.get('slots')} slot(s)"
                                        if "slots" in server else "")
-    scenario = header.get("scenario") or {}
+    scenario = header["scenario"] or {}
     lines = [f"# {scenario.get('title') or 'Serving ' + header.get('model', '')}", ""]
     if scenario.get("description"):
         lines += [scenario["description"], ""]
@@ -548,15 +548,15 @@ def render_serving_page(header: dict, levels: list[dict],
     lines += [f"- {f}" for f in roofline_findings(levels, server.get("slots"))]
     if differ := build_difference(header, levels):
         lines.append(f"- {differ}")
-    lines += ["", markdown_table(levels_table(levels, header.get("slo"))), ""]
-    if any(lv.get("steady_decode") for lv in levels):
+    lines += ["", markdown_table(levels_table(levels, header["slo"])), ""]
+    if any(lv["steady_decode"] for lv in levels):
         lines += [markdown_table(explain_table(levels, header)), ""]
     if any(lv["summary"].get("server_prompt_s") for lv in levels):
         lines += [markdown_table(ttft_table(levels)), ""]
     if roof := roofline_table(levels):
         lines += [markdown_table(roof), ""]
     lines += [f"![{caption}]({name})\n" for name, caption in plots]
-    failed = [lv for lv in levels if lv.get("errors")]
+    failed = [lv for lv in levels if lv["errors"]]
     lines += [f"- {lv['label']}: {'; '.join(lv['errors'])}" for lv in failed]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -573,7 +573,7 @@ def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, st
     for ax, key, name in ((a1, "tpot_s", "TPOT"), (a2, "ttft_s", "TTFT")):
         by_x = sorted(range(len(rows)), key=lambda j: rows[j][1]["output_tok_s"])
         for i, (lv, row) in enumerate(rows):
-            marker = "o" if lv.get("concurrency") else "s"
+            marker = "o" if lv["concurrency"] else "s"
             ax.errorbar([row["output_tok_s"]], [row[f"{key}_p50"]], fmt=marker,
                         yerr=[[0], [row[f"{key}_p90"] - row[f"{key}_p50"]]], capsize=3)
             # above and below the point in turn, left to right: neighbours' labels apart
@@ -590,7 +590,7 @@ def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, st
     out = [(plotkit.save(fig, out_dir, "latency_vs_throughput"),
             "Per-user latency against aggregate throughput, one point per load level "
             "(circles closed loop, squares open loop)")]
-    closed = [(lv["concurrency"], row) for lv, row in rows if lv.get("concurrency")]
+    closed = [(lv["concurrency"], row) for lv, row in rows if lv["concurrency"]]
     if len(closed) >= 2:
         out.append((_by_concurrency(plotkit, closed, out_dir),
                     "TTFT and ITL against the requests in flight (closed loop)"))
