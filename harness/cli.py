@@ -388,7 +388,7 @@ def _finished(writer, analysis: dict) -> list:
 
     click.echo(render_summary(writer.records.measurements))
     click.echo("\n" + render_analysis(analysis))
-    click.echo(f"\nreport: {write_report(writer.dir, writer.records)}")
+    click.echo(f"\nreport: {write_report(writer.dir, writer.records, analysis=analysis)}")
     if writer.records.failures:
         click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
                    err=True)

@@ -20,7 +20,6 @@ from ..core.records import (
     Measurement,
     Model,
     Probe,
-    Record,
     Repetition,
     Round,
     migrate,
@@ -71,27 +70,26 @@ def read_records(path: Path) -> Records:
     records.truncated_bytes = len(tail)
     lines = complete.split(b"\n") if complete else []
     for number, line in enumerate(lines, start=1):
-        file_record(records, _parsed(line, path, number))
+        try:
+            file_record(records, _parsed(line))
+        except (ValueError, RecursionError, KeyError, TypeError, ZeroDivisionError,
+                msgspec.ValidationError):  # not JSON, too deep, not a record of any kind
+            raise HarnessError("corrupt results line", source=str(path), line=number,
+                               fix="restore the file or start a new run") from None
     if records.header is None and lines:
         raise HarnessError("results file has no header record", source=str(path),
                            fix="pass a results.jsonl written by `harness run`")
     return records
 
 
-def _parsed(line: bytes, path: Path, number: int) -> dict | None:
-    """One line as today's record (None: a kind no longer stored), or exit 2 naming it."""
-    try:
-        record = json.loads(line)
-        record = migrate(record) if isinstance(record, dict) else record
-        if isinstance(record, dict) and record.get("type") == "measurement":
-            record = summarized(record)  # every run shown in today's statistical convention
-        if record is None or isinstance(typed(dict(record, seq=number)), Record):
-            return record
-    except (ValueError, RecursionError, KeyError, TypeError, ZeroDivisionError,
-            msgspec.ValidationError):  # not JSON, too deep, not a record of any kind
-        pass
-    raise HarnessError("corrupt results line", source=str(path), line=number,
-                       fix="restore the file or start a new run")
+def _parsed(line: bytes) -> dict | None:
+    """One line as today's record (None: a kind no longer stored), its measurement's summaries
+    recomputed from its samples (every run shown in today's statistical convention)."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise TypeError("not a record")
+    record = migrate(record)
+    return summarized(record) if record and record.get("type") == "measurement" else record
 
 
 def file_record(records: Records, record: dict | None) -> None:

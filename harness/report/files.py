@@ -32,12 +32,13 @@ def analysis_of(records) -> dict:
 
 
 def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
-                 lesson: bool | None = None) -> Path:
+                 lesson: bool | None = None, analysis: dict | None = None) -> Path:
     """Render a run's report (with plots for markdown) and write it; returns the path. A run
-    of a scenario with a `reference:` block (or lesson=True) gets the lesson page."""
+    of a scenario with a `reference:` block (or lesson=True) gets the lesson page; analysis:
+    the records' analysis when the caller has just computed it."""
     from ..core.reference import reference_from_header
 
-    analysis = analysis_of(records)
+    analysis = analysis if analysis is not None else analysis_of(records)
     data = report_data(records, analysis)
     reference = reference_from_header(records.header)
     as_lesson = lesson if lesson is not None else reference is not None
