@@ -144,7 +144,7 @@ def _experts_note(key: tuple, group: list[dict]) -> str:
             "often; trained routers are skewed, favouring some experts, so that sequences "
             "share more)")
     pairs = [f"{r['speedup']:.2f}× measured against {r['bytes_speedup']:.2f}× from the bytes "
-             f"at B = {r['parallel']}" for r in group if r["parallel"] > 1 and r.get("speedup")]
+             f"at B = {r['parallel']}" for r in group if r["parallel"] > 1 and r["speedup"]]
     return text + (": " + "; ".join(pairs) if pairs else "") + "."
 
 
@@ -185,7 +185,7 @@ def batching_finding(rows: list[dict]) -> str:
     top = max(rows, key=lambda r: (r["parallel"], center(r["tok_s"])))
     solo = next((r for r in rows if r["parallel"] == 1 and (r["model"], r["dtype"], r["threads"])
                  == (top["model"], top["dtype"], top["threads"])), None)
-    if not solo or not top.get("speedup"):
+    if not solo or not top["speedup"]:
         return f"Batching: up to {top['parallel']} sequences decoded together"
     each = center(top["per_sequence_tok_s"]) / center(solo["tok_s"])
     return (f"{top['parallel']} sequences together ({top['model']} {top['dtype']}): "

@@ -153,7 +153,7 @@ def _routing_summary(rows: list[dict]) -> list[Table]:
     # runs recorded before the repetition share have no such column
     repeats = ([Column("consecutive steps sharing any, per layer", "repeat"),
                 Column("if uniform", "repeat_uniform", "pct")]
-               if any(r.get("repeat") for r in rows) else [])
+               if any(r["repeat"] for r in rows) else [])
     return [Table("routing", "Which experts the tokens picked", [
         Column("model", "model"), Column("dtype", "dtype"),
         Column("experts per token", "experts"), Column("prefill tokens", "n_prompt", "int"),
@@ -174,8 +174,8 @@ def _routing_summary(rows: list[dict]) -> list[Table]:
 
 
 def _experts_main_table(rows: list[dict]) -> Table:
-    rows = [r | {"of_active_shown": r.get("of_active_ci") or (
-        {"n": 1, "median": r["of_active"]} if r.get("of_active") else None)} for r in rows]
+    rows = [r | {"of_active_shown": r["of_active_ci"] or (
+        {"n": 1, "median": r["of_active"]} if r["of_active"] else None)} for r in rows]
     return Table("experts", "Mixture of experts: file size or active bytes?", [
         Column("model", "model"), Column("dtype", "dtype"), Column("threads", "threads", "int"),
         Column("experts per token", "experts"),

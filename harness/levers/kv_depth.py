@@ -174,7 +174,7 @@ def kv_finding(rows: list[dict]) -> str:
 
 
 def kv_depth(analysis: dict, out_dir: Path) -> str | None:
-    rows = [r for r in analysis["kv_depth"] if r.get("measured_slowdown")]
+    rows = [r for r in analysis["kv_depth"] if r["measured_slowdown"]]
     if len({r["depth"] for r in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))

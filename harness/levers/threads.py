@@ -31,9 +31,9 @@ def thread_rows(measurements: list[Measurement], probes: list[Probe], analysis: 
     """Speed-up with threads of each plain prefill and decode measured at two or more counts,
     and how close each came to its own ceiling (from the decode and prefill rows)."""
     # keyed by (id, phase): a prompt-then-decode measurement has a row of each phase
-    rows_by_id = {(r["id"], "decode"): (r, r.get("share_of_stream"), r["stream_ceiling"])
+    rows_by_id = {(r["id"], "decode"): (r, r["share_of_stream"], r["stream_ceiling"])
                   for r in analysis["decode"]}
-    rows_by_id |= {(r["id"], "prefill"): (r, r.get("share_of_peak"), r["compute_peak"])
+    rows_by_id |= {(r["id"], "prefill"): (r, r["share_of_peak"], r["compute_peak"])
                    for r in analysis["prefill"]}
     rows = []
     for phase, key in (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s")):
@@ -105,7 +105,7 @@ def threads_table(analysis: dict) -> list[Table]:
                              f"{threads_label(r['threads'])}", threads_label(r["base_threads"]),
                              r["speedup_ci"]) for r in rows
                             if r["threads"] != r["base_threads"]])
-    if any((r.get("share_of_ceiling") or 0) > 1 for r in rows):
+    if any((r["share_of_ceiling"] or 0) > 1 for r in rows):
         notes.append(ABOVE_CEILING_NOTE)
     return [Table("threads", "Threads: how prefill and decode scale", [
         Column("phase", "phase"), Column("model", "model"), Column("dtype", "dtype"),
@@ -130,7 +130,7 @@ def _ceiling_notes(rows: list[dict]) -> list[str]:
     """Where each phase stood against its ceiling at the fewest and the most threads."""
     out = []
     for phase in ("decode", "prefill"):
-        group = [r for r in rows if r["phase"] == phase and r.get("share_of_ceiling")]
+        group = [r for r in rows if r["phase"] == phase and r["share_of_ceiling"]]
         if len(group) < 2:
             continue
         lo = min(group, key=lambda r: r["threads"])
@@ -152,7 +152,7 @@ def threads_finding(rows: list[dict]) -> str:
     """The plot's title: each phase's speed-up from the fewest to the most threads measured."""
     parts = []
     for phase in ("prefill", "decode"):
-        group = [r for r in rows if r["phase"] == phase and r.get("speedup")]
+        group = [r for r in rows if r["phase"] == phase and r["speedup"]]
         if group:
             top = max(group, key=lambda r: (r["threads"], r["speedup"]))
             base = min(r["threads"] for r in group)

@@ -223,7 +223,7 @@ def _model_finding(a: dict) -> list[str]:
 
 def _quant_finding(a: dict) -> list[str]:
     q = [r for r in a["quant"] if r["dtype"] != r["baseline"]
-         and r.get("decode_speedup") and r.get("prefill_speedup")]
+         and r["decode_speedup"] and r["prefill_speedup"]]
     if not q:
         return []
     r = min(q, key=lambda r: r["bytes_per_token"])
@@ -235,7 +235,7 @@ def _quant_finding(a: dict) -> list[str]:
 
 
 def _batch_finding(a: dict) -> list[str]:
-    rows = [r for r in a["batching"] if r["parallel"] > 1 and r.get("speedup")]
+    rows = [r for r in a["batching"] if r["parallel"] > 1 and r["speedup"]]
     if not rows:
         return []
     models = sorted({(r.get("model", ""), r.get("dtype", "")) for r in rows})
@@ -255,7 +255,7 @@ def _batch_finding(a: dict) -> list[str]:
 
 def _kv_finding(a: dict) -> list[str]:
     rows = [r for r in a["kv_depth"] if r["depth"] and r["kv_type"] == "f16"
-            and r.get("measured_slowdown")]
+            and r["measured_slowdown"]]
     if not rows:
         return []
     r = max(rows, key=lambda r: r["depth"])
@@ -268,7 +268,7 @@ def _kv_finding(a: dict) -> list[str]:
 def _threads_finding(a: dict) -> list[str]:
     out = []
     for phase in ("prefill", "decode"):
-        rows = [r for r in a["threads"] if r["phase"] == phase and r.get("speedup")]
+        rows = [r for r in a["threads"] if r["phase"] == phase and r["speedup"]]
         if len({r["threads"] for r in rows}) < 2:
             continue
         lo, hi = min(rows, key=lambda r: r["threads"]), max(rows, key=lambda r: r["threads"])

@@ -108,8 +108,8 @@ def _undecided(out: dict) -> str:
 
 def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
     use = analysis["phase_use"]
-    pre = next((u for u in use if u["phase"] == "prefill" and u.get("compute_share")), None)
-    dec = next((u for u in use if u["phase"] == "decode" and u.get("stream_share")), None)
+    pre = next((u for u in use if u["phase"] == "prefill" and u["compute_share"]), None)
+    dec = next((u for u in use if u["phase"] == "decode" and u["stream_share"]), None)
     if not pre or not dec:
         return _not_measured("needs prefill and decode with their ceilings measured")
     need = claim["min_share"]
@@ -132,7 +132,7 @@ def _phase_shares(claim: dict, analysis: dict, env: dict) -> dict:
 def _quant(claim: dict, analysis: dict, env: dict) -> dict:
     rows = analysis["quant"]
     q = next((r for r in rows if r["dtype"] == claim["dtype"] and r["baseline"] == "f32"), None)
-    if not q or q.get("decode_speedup") is None or q.get("prefill_speedup") is None:
+    if not q or q["decode_speedup"] is None or q["prefill_speedup"] is None:
         return _not_measured(f"needs decode and prefill of {claim['dtype']} beside F32")
     dec, pre = q["decode_speedup_ci"], q["prefill_speedup_ci"]
     lo_dec, hi_pre = claim["min_decode_speedup"], claim["max_prefill_speedup"]
@@ -158,7 +158,7 @@ def _cpu_features(env: dict) -> str:
 
 def _batching(claim: dict, analysis: dict, env: dict) -> dict:
     rows = analysis["batching"]
-    row = next((r for r in rows if r["parallel"] == claim["parallel"] and r.get("speedup")),
+    row = next((r for r in rows if r["parallel"] == claim["parallel"] and r["speedup"]),
                None)
     if not row:
         return _not_measured(f"needs decode of 1 and {claim['parallel']} sequences")
@@ -205,7 +205,7 @@ def _plain_memory(claim: dict, analysis: dict, env: dict) -> dict:
         copy = r["copy_ceiling"]
         if not copy["value"]:
             continue
-        spread = copy.get("spread") or 0.0
+        spread = copy["spread"] or 0.0
         yardstick = {"n": 1, "median": copy["value"],
                      "median_ci95": [copy["value"] * (1 - spread), copy["value"] * (1 + spread)]}
         share = unpaired(scaled(r["tok_s"], r["bytes_per_token"] / 1e9), yardstick)
