@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from . import __version__
 from .analysis.serving import level_roofline
@@ -27,6 +28,7 @@ from .engine.results import (
     SCHEMA_VERSION,
     Records,
     RunWriter,
+    check_resume,
     read_records,
     run_kind,
 )
@@ -122,14 +124,17 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     """Run every level, writing records as they come; return the report's path. A server that
     dies or a level that fails ends the run with what was measured kept and rendered; with
     resume, the levels an earlier run of out_dir finished are kept and the others run whole."""
-    check_out_dir(out_dir, resume)
+    env = collect_env()
+    # a resume that differs is refused before the server starts (its port and command are
+    # the only parts of the header a started server adds)
+    check_out_dir(out_dir, resume, _header(run, argv, run.endpoint or "", None, env))
     server = start_server(run.server) if run.server else None  # nothing written before
     yard = roof = None
     try:
         url = server.url if server else run.endpoint.rstrip("/")
         with RunWriter(out_dir, resume=resume, kind="serving") as writer:
             writer.keep_through(closes_unit)  # a level cut short is run again, whole
-            writer.begin(_header(run, argv, url, server), argv)
+            writer.begin(_header(run, argv, url, server, env), argv)
             done = {lv.level for lv in finished_levels(writer.records) if closes_unit(lv)}
             yard = _yardstick(run) if server else None
             costs = _costs(run) if server else None
@@ -160,13 +165,15 @@ def closes_unit(record) -> bool:
             or (isinstance(record, rectypes.Level) and record.complete))
 
 
-def check_out_dir(out_dir: Path, resume: bool) -> None:
+def check_out_dir(out_dir: Path, resume: bool, header: dict | None = None) -> None:
     """Refuse, before anything is built or started, a folder a serving run must not write
-    into (the store refuses it again when it opens the folder)."""
+    into, and (given the run's header) a resume whose header differs (the store refuses both
+    again when it opens the folder)."""
     results = out_dir / RESULTS_FILE
     if not (results.is_file() and results.stat().st_size > 0):
         return
-    kind = run_kind(read_records(results).header)
+    records = read_records(results)
+    kind = run_kind(records.header)
     if kind != "serving":
         raise HarnessError(f"the run directory holds a {kind} run's results, not a serving "
                            "run's", source=str(out_dir), fix="choose another --out")
@@ -174,6 +181,8 @@ def check_out_dir(out_dir: Path, resume: bool) -> None:
         raise HarnessError("the run directory already holds results", source=str(out_dir),
                            fix="resume it with harness run SCENARIO --out DIR --resume, or "
                                "choose another --out")
+    if header is not None:
+        check_resume(SimpleNamespace(records=records, dir=out_dir, kind="serving"), header)
 
 
 def finished_levels(records: Records) -> list[rectypes.Level]:
@@ -342,13 +351,14 @@ def _server_ms(records: list[dict], key: str) -> list[float]:
             if not r["error"] and r.get("timings") and key in r["timings"]]
 
 
-def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | None) -> dict:
+def _header(run: ServingRun, argv: list[str], url: str, server: RunningServer | None,
+            env: dict) -> dict:
     return {"type": "header", "kind": "serving", "schema_version": SCHEMA_VERSION,
-            "harness": __version__, "env": collect_env(),
+            "harness": __version__, "env": env,
             "created": now_iso(), "argv": argv, "python": sys.version.split()[0],
             "model": run.model_label, "url": url,
             "server": asdict(run.server) | {"model": str(run.server.model),
-                                            "command": server.process.args,
+                                            "command": server.process.args if server else None,
                                             "server_version": _server_version(run.server),
                                             "build": _server_build(run.server)}
             if run.server else {"endpoint": run.endpoint},

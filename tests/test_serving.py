@@ -10,6 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import assert_user_error
 
 from harness.core.records import to_dict, typed
 from harness.core.serving import (
@@ -380,6 +381,12 @@ def test_a_serving_scenario_runs_and_resumes_keeping_finished_levels(run_cli, tm
     assert [r["when"] for r in records if r["type"] == "probe"] == [
         "c1 round 0", "c1 after", "c2 round 0", "c2 after"]
     assert [r["type"] for r in records].count("resume") == 1
+    # a resume with another prompt length is refused before any server starts
+    before = (out / "results.jsonl").read_bytes()
+    path.write_text(path.read_text().replace("prompt: 8", "prompt: 16"))
+    refused = run_cli("run", str(path), "--out", str(out), "--resume")
+    assert_user_error(refused, "cannot resume", "workload.n_prompt 16 (was 8)")
+    assert (out / "results.jsonl").read_bytes() == before
     assert "Decode is bounded by" in (out / "report.md").read_text()
 
 

@@ -275,6 +275,17 @@ def begin_run(writer, header: dict, argv: list[str]) -> None:
         writer.append(header)
         writer.begun = True
         return
+    check_resume(writer, header)
+    writer.append({"type": "resume", "at": header.get("created"), "argv": argv,
+                   "env": header.get("env")})
+    writer.begun = True
+
+
+def check_resume(writer, header: dict) -> None:
+    """Refuse (exit 2, naming what differs) to resume a run whose stored header differs from
+    this one in what RESUME_KEYS names, the machine or the schema; nothing is written."""
+    if writer.records.header is None:
+        return
     old = to_dict(writer.records.header)
     if old.get("schema_version") != header["schema_version"]:
         raise HarnessError(f"this run was written by another harness (results schema "
@@ -286,9 +297,6 @@ def begin_run(writer, header: dict, argv: list[str]) -> None:
                            source=str(writer.dir),
                            fix="resume with the same scenario on the same machine, or start "
                                "a new run with another --out")
-    writer.append({"type": "resume", "at": header.get("created"), "argv": argv,
-                   "env": header.get("env")})
-    writer.begun = True
 
 
 def _lock(run_dir: Path) -> FileLock:
