@@ -240,7 +240,6 @@ RECORD_TYPES = (Header, Resume, Model, Measurement, Repetition, Round, Probe, Fa
                 Grouping, Load, NodeFailure, Request, Level)
 AnyRecord = (Header | Resume | Model | Measurement | Repetition | Round | Probe | Failure
              | Grouping | Load | NodeFailure | Request | Level)
-TAGS = frozenset(t.__struct_config__.tag for t in RECORD_TYPES)
 
 
 def migrate(record: dict) -> dict | None:
