@@ -215,11 +215,12 @@ def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
     from dataclasses import replace
 
     from .engine.env import physical_cores
+    from .engine.results import check_folder
     from .engine.serverbuild import built_binary
     from .servescenario import preflight_plan
-    from .serving import check_out_dir, run_serving, serving_run
+    from .serving import run_serving, serving_run
 
-    check_out_dir(out, resume)  # before the model is built; run_serving checks again
+    check_folder(out, resume=resume, kind="serving")  # before the model is built
     preflight_plan(plan, cache_dir)  # RAM and disk, refused before the model is built
     if plan.server == "built" and not plan.endpoint:
         plan = replace(plan, server=str(built_binary()))

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from . import __version__
 from .analysis.serving import level_roofline
@@ -28,7 +27,7 @@ from .engine.results import (
     SCHEMA_VERSION,
     Records,
     RunWriter,
-    check_resume,
+    check_folder,
     read_records,
     run_kind,
 )
@@ -127,7 +126,8 @@ def run_serving(run: ServingRun, out_dir: Path, argv: list[str],
     env = collect_env()
     # a resume that differs is refused before the server starts (its port and command are
     # the only parts of the header a started server adds)
-    check_out_dir(out_dir, resume, _header(run, argv, run.endpoint or "", None, env))
+    check_folder(out_dir, resume=resume, kind="serving",
+                 header=_header(run, argv, run.endpoint or "", None, env))
     server = start_server(run.server) if run.server else None  # nothing written before
     yard = roof = None
     try:
@@ -163,26 +163,6 @@ def closes_unit(record) -> bool:
     the server alive to its end (the header and the model before the levels stay too)."""
     return (isinstance(record, (rectypes.Header, rectypes.Model))
             or (isinstance(record, rectypes.Level) and record.complete))
-
-
-def check_out_dir(out_dir: Path, resume: bool, header: dict | None = None) -> None:
-    """Refuse, before anything is built or started, a folder a serving run must not write
-    into, and (given the run's header) a resume whose header differs (the store refuses both
-    again when it opens the folder)."""
-    results = out_dir / RESULTS_FILE
-    if not (results.is_file() and results.stat().st_size > 0):
-        return
-    records = read_records(results)
-    kind = run_kind(records.header)
-    if kind != "serving":
-        raise HarnessError(f"the run directory holds a {kind} run's results, not a serving "
-                           "run's", source=str(out_dir), fix="choose another --out")
-    if not resume:
-        raise HarnessError("the run directory already holds results", source=str(out_dir),
-                           fix="resume it with harness run SCENARIO --out DIR --resume, or "
-                               "choose another --out")
-    if header is not None:
-        check_resume(SimpleNamespace(records=records, dir=out_dir, kind="serving"), header)
 
 
 def finished_levels(records: Records) -> list[rectypes.Level]:

@@ -82,14 +82,13 @@ def read_records(path: Path) -> Records:
     return records
 
 
-def _parsed(line: bytes) -> dict | None:
-    """One line as today's record (None: a kind no longer stored), its measurement's summaries
-    recomputed from its samples (every run shown in today's statistical convention)."""
+def _parsed(line: bytes) -> dict:
+    """One line as a record, a measurement's summaries recomputed from its samples (every run
+    shown in today's statistical convention); file_record migrates it."""
     record = json.loads(line)
     if not isinstance(record, dict):
         raise TypeError("not a record")
-    record = migrate(record)
-    return summarized(record) if record and record.get("type") == "measurement" else record
+    return summarized(record) if record.get("type") == "measurement" else record
 
 
 def file_record(records: Records, record: dict | None) -> None:
@@ -199,17 +198,11 @@ class RunWriter:
     def __init__(self, run_dir: Path, *, resume: bool, kind: str = "measurement") -> None:
         self.dir, self.kind = run_dir, kind
         self.path = run_dir / RESULTS_FILE
-        exists = self.path.exists() and self.path.stat().st_size > 0
-        if exists and not resume:
-            raise HarnessError("the run directory already holds results", source=str(run_dir),
-                               fix="pass --resume to continue it, or choose another --out")
-        if resume and not exists:
-            raise HarnessError("nothing to resume: no results in the run directory",
-                               source=str(run_dir), fix="drop --resume to start a new run")
+        exists = _refuse_presence(run_dir, resume)
         self._lock = _lock(run_dir)
         try:
             self.records = read_records(self.path) if exists else Records()
-            self._check_kind()
+            _refuse_kind(self.records, kind, run_dir)
             if self.records.truncated_bytes:
                 # A crash cut the last record short: drop the fragment so appends stay lines.
                 _truncate(self.path, self.path.stat().st_size - self.records.truncated_bytes)
@@ -217,13 +210,6 @@ class RunWriter:
         except BaseException:
             self._lock.release()
             raise
-
-    def _check_kind(self) -> None:
-        found = run_kind(self.records.header)
-        if found not in (None, self.kind):
-            raise HarnessError(f"the run directory holds a {found} run's results, not a "
-                               f"{self.kind} run's", source=str(self.dir),
-                               fix="choose another --out")
 
     def begin(self, header: dict, argv: list[str]) -> None:
         begin_run(self, header, argv)
@@ -265,6 +251,39 @@ class RunWriter:
         self.close()
 
 
+def check_folder(run_dir: Path, *, resume: bool, kind: str, header: dict | None = None
+                 ) -> None:
+    """Everything RunWriter and begin_run would refuse of run_dir, refused without locking or
+    writing anything (a serving run asks before it builds or starts): results there without
+    resume, none with it, another kind of run, and (given the header) a resume that differs."""
+    path = run_dir / RESULTS_FILE
+    records = read_records(path) if path.is_file() and path.stat().st_size > 0 else Records()
+    _refuse_kind(records, kind, run_dir)  # first: resuming would not help
+    _refuse_presence(run_dir, resume)
+    if header is not None:
+        check_resume(records, run_dir, kind, header)
+
+
+def _refuse_presence(run_dir: Path, resume: bool) -> bool:
+    """Whether run_dir holds results; refused when that is not what the run expects."""
+    path = run_dir / RESULTS_FILE
+    exists = path.is_file() and path.stat().st_size > 0
+    if exists and not resume:
+        raise HarnessError("the run directory already holds results", source=str(run_dir),
+                           fix="pass --resume to continue it, or choose another --out")
+    if resume and not exists:
+        raise HarnessError("nothing to resume: no results in the run directory",
+                           source=str(run_dir), fix="drop --resume to start a new run")
+    return exists
+
+
+def _refuse_kind(records: Records, kind: str, run_dir: Path) -> None:
+    found = run_kind(records.header)
+    if found not in (None, kind):
+        raise HarnessError(f"the run directory holds a {found} run's results, not a {kind} "
+                           "run's", source=str(run_dir), fix="choose another --out")
+
+
 def begin_run(writer, header: dict, argv: list[str]) -> None:
     """Write a new run's header, or check a resumed run's against it (exit 2 naming what
     differs) and record the resume, once per writer; writer: a RunWriter or a fleet node's
@@ -275,26 +294,26 @@ def begin_run(writer, header: dict, argv: list[str]) -> None:
         writer.append(header)
         writer.begun = True
         return
-    check_resume(writer, header)
+    check_resume(writer.records, writer.dir, writer.kind, header)
     writer.append({"type": "resume", "at": header.get("created"), "argv": argv,
                    "env": header.get("env")})
     writer.begun = True
 
 
-def check_resume(writer, header: dict) -> None:
+def check_resume(records: Records, run_dir: Path, kind: str, header: dict) -> None:
     """Refuse (exit 2, naming what differs) to resume a run whose stored header differs from
     this one in what RESUME_KEYS names, the machine or the schema; nothing is written."""
-    if writer.records.header is None:
+    if records.header is None:
         return
-    old = to_dict(writer.records.header)
+    old = to_dict(records.header)
     if old.get("schema_version") != header["schema_version"]:
         raise HarnessError(f"this run was written by another harness (results schema "
                            f"{old.get('schema_version')}, this one writes "
-                           f"{header['schema_version']})", source=str(writer.dir),
+                           f"{header['schema_version']})", source=str(run_dir),
                            fix="start a new run with another --out")
-    if diff := header_differences(writer.kind, header, old):
+    if diff := header_differences(kind, header, old):
         raise HarnessError(f"cannot resume: {'; '.join(diff)} since this run started",
-                           source=str(writer.dir),
+                           source=str(run_dir),
                            fix="resume with the same scenario on the same machine, or start "
                                "a new run with another --out")
 
