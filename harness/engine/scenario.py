@@ -11,6 +11,7 @@ from ..core.cell import CellId
 from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from ..core.errors import HarnessError
 from ..core.reference import load_reference
+from ..core.rounds import PAIRING_FIELDS
 from ..core.specs import looks_like_path, resolve_spec
 from ..core.yamlio import (
     Doc,
@@ -143,10 +144,8 @@ class Measurement:
     def pairing_key(self) -> tuple:
         """Every setting but the context (which follows the others), in the order of
         harness.core.rounds.PAIRING_FIELDS: cells whose keys differ in one place are compared."""
-        s = self.settings
-        return (self.model.label, self.model.dtype, s.threads, s.n_batch, s.n_ubatch,
-                s.flash_attn, self.n_prompt, self.n_gen, self.depth, self.kv_type,
-                self.parallel, self.shared_prefix)
+        cell = self.cell
+        return tuple(getattr(cell, name) for name in PAIRING_FIELDS)
 
     @property
     def phase(self) -> str:
