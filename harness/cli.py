@@ -384,12 +384,12 @@ def _stopped_line(exc: BaseException, writer, n_planned: int, scenario: Path) ->
 
 def _finished(writer, analysis: dict) -> list:
     """A finished run's summary, analysis and report; returns its failures."""
+    from .report.console import render_console
     from .report.files import write_report
-    from .report.tables import render_analysis, render_summary
 
-    click.echo(render_summary(writer.records.measurements))
-    click.echo("\n" + render_analysis(analysis))
-    click.echo(f"\nreport: {write_report(writer.dir, writer.records, analysis=analysis)}")
+    click.echo(render_console(writer.records.measurements, analysis))
+    path = write_report(writer.dir, writer.records, analysis=analysis)
+    click.echo(f"\nthe full tables are in the report:\n{path}")
     if writer.records.failures:
         click.echo(f"{len(writer.records.failures)} model(s) failed; see {writer.path}",
                    err=True)

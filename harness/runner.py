@@ -14,7 +14,15 @@ from . import __version__
 from .core.costs import kv_n_bytes_per_token, model_costs
 from .core.dtypes import DTYPES, DType
 from .core.errors import EXIT_BUSY, HarnessError, MeasurementError
-from .core.rounds import contrast_pairs, group_by_memory, round_order, stop_reason, widest_ci
+from .core.rounds import (
+    contrast_pairs,
+    group_by_memory,
+    model_links,
+    round_order,
+    split_pairs,
+    stop_reason,
+    widest_ci,
+)
 from .core.specs import ModelSpec, resolve_spec
 from .engine import noise
 from .engine.build import (
@@ -25,7 +33,7 @@ from .engine.build import (
     missing_build_n_bytes,
 )
 from .engine.env import available_ram_bytes, physical_cores
-from .engine.measure import now_iso, round_series
+from .engine.measure import now_iso, round_series, window_series
 from .engine.results import SCHEMA_VERSION, RunWriter
 from .engine.scenario import Measurement, ModelRef, Scenario
 from .study.analyze import analyze_records
@@ -111,6 +119,37 @@ class _RunProber:
                          lambda p, t=threads, d=dtypes, ph=phases: p.beside(
                              t, sorted(d), tuple(x for x in ("stream", "compute") if x in ph)))
 
+    def rotation(self, round_index: int, needs: dict[int, set[str]]) -> Callable[[], None]:
+        """A probe "cell" in a round's rotation of decode steps: called after every tick, one
+        streaming pass of each type the decoding cells read, per thread count; the samples
+        land, tick by tick, in one record per thread count when the round ends (close)."""
+        samples = {t: {d: [] for d in sorted(dtypes)} for t, dtypes in needs.items()}
+        errors: list[str] = [self.error] if self.prober is None and self.error else []
+
+        def tick() -> None:
+            for threads, by_type in samples.items():
+                if errors:
+                    return  # a probe that failed once is recorded once, as missing
+                try:
+                    for dtype, gb_s in self.prober.tick(threads, list(by_type)).items():
+                        by_type[dtype].append(gb_s)
+                except (MemoryError, OSError, ValueError, RuntimeError, HarnessError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+        def close() -> None:
+            record = {"type": "probe", "when": "rotation", "round": round_index}
+            if errors:
+                self.writer.append(record | {"threads": sorted(samples), "error": errors[0],
+                                             "at": now_iso()})
+                return
+            for threads, by_type in samples.items():
+                if any(by_type.values()):
+                    self.writer.append(record | {"threads": [threads], "at": now_iso(),
+                                                 "result": _rotation_result(threads, by_type)})
+
+        tick.close = close
+        return tick
+
     def pages(self, path: Path, dtypes: list[str], decode_n_bytes: dict[str, int]):
         """The reader a decode repetition is bracketed by: the model's mapped pages, or an
         anonymous buffer when most of its bytes are repacked at load (None if it cannot)."""
@@ -147,6 +186,14 @@ class _RunProber:
     def __exit__(self, *exc) -> None:
         if self.prober is not None:
             self.prober.close()
+
+
+def _rotation_result(threads: int, by_type: dict[str, list]) -> dict:
+    """A rotation probe's result in the shape of the others': per type its passes in tick
+    order (None where a pass failed), the best of them as the figure."""
+    ggml = {d: {"stream_gb_s": max((x for x in xs if x), default=None),
+                "stream_samples_gb_s": xs, "by_tick": True} for d, xs in by_type.items()}
+    return {"passes": {"stream": 1}, "threads": {str(threads): {"ggml": ggml}}}
 
 
 def _probe_extras(todo: list[Measurement], seed: int, cache_dir: Path | None,
@@ -206,13 +253,24 @@ def _groups(todo: list[Measurement], writer: RunWriter, console: Console
     """The run's cells, in groups whose models and contexts fit in RAM together (one group
     when everything fits: every cell then interleaves with every other)."""
     needs = dict(_memory_by_model(todo, all_contexts=True))
-    keys = group_by_memory(needs, available_ram_bytes())
+    links = _links(todo)
+    keys = group_by_memory(needs, available_ram_bytes(), links)
     if len(keys) > 1:
-        writer.append({"type": "grouping", "groups": keys, "at": now_iso(),
+        split = split_pairs(keys, links)
+        writer.append({"type": "grouping", "groups": keys, "at": now_iso(), "split": split,
                        "why": "the models and their contexts do not fit in RAM together"})
         console.info(f"interleaving in {len(keys)} groups (RAM): "
                      + "; ".join(", ".join(g) for g in keys))
+        if split:
+            console.warn("not compared side by side (no RAM for both at once): "
+                         + "; ".join(" and ".join(p) for p in split))
     return [[m for m in todo if m.model.key in group] for group in keys]
+
+
+def _links(todo: list[Measurement]) -> set[frozenset[str]]:
+    """The model pairs the run's contrasts compare."""
+    return model_links({m.id: m.pairing_key for m in todo}, {m.id: m.model.key for m in todo},
+                       {m.id: {m.phase} for m in todo})
 
 
 class _Budget:
@@ -343,8 +401,9 @@ class _Contrasts:
 
     def widest(self, m: Measurement) -> float | None:
         """The widest interval m is judged on (harness.core.rounds.widest_ci)."""
-        def series(cell: str, phase: str | None) -> dict:
-            return round_series(self.by_id[cell], self.reps[cell], phase)
+        def series(cell: str, phase: str | None) -> tuple[dict, dict]:
+            m, reps = self.by_id[cell], self.reps[cell]
+            return window_series(m, reps, phase), round_series(m, reps, phase)
 
         return widest_ci(m.id, self.of(m), series, self.target)
 
@@ -404,19 +463,57 @@ class _Rounds:
             self.writer.append({"type": "round", "round": round_index, "order": order,
                                 "idle_other_cores": idle, "at": now_iso()})
         by_id = {m.id: m for m in active}
-        for position, cell_id in enumerate(order):
-            if any(r.round == round_index for r in self.reps[cell_id]):
-                continue  # done before an interruption: resume keeps it
-            m = by_id[cell_id]
-            try:
-                self._repetition(m, round_index, position)
-            except MeasurementError as exc:
-                # One cell failing (a decode error) must not cost the others their numbers.
-                _record_failure(self.writer, m.model.key, exc, [m], self.console)
-                self.contrasts.failed.add(m.id)
-                cell = self.group.drop(m)
-                if cell:
-                    cell.close()
+        todo = [(position, by_id[cell_id]) for position, cell_id in enumerate(order)
+                if all(r.round != round_index for r in self.reps[cell_id])]  # resume keeps
+        step = self.scenario.interleave == "step"
+        live = []
+        for position, m in todo:  # prompts in, cell by cell, in the round's order
+            steps = self._start(m, round_index, position, "step" if step else "round")
+            while steps and self._advance(m, steps):
+                if step:  # its decode waits for the others' prompts, then runs in turn
+                    live.append((m, steps))
+                    break
+        tick = self.prober.rotation(round_index, self._stream_needs([m for m, _ in live]))
+        while live:  # one decode step of each cell in turn, then the probe's, again and again
+            live = [(m, steps) for m, steps in live if self._advance(m, steps)]
+            if live:
+                tick()
+        tick.close()
+
+    def _start(self, m: Measurement, round_index: int, position: int, interleave: str):
+        """m's repetition of this round, not yet begun (None when its context failed)."""
+        try:
+            return self.group.cell(m).steps(round_index, position, interleave)
+        except MeasurementError as exc:
+            self._failed(m, exc)
+            return None
+
+    def _advance(self, m: Measurement, steps) -> bool:
+        """One piece of m's repetition (its prompt, or one decode step); False once it has
+        ended, its repetition record written, or failed."""
+        try:
+            next(steps)
+            return True
+        except StopIteration as done:
+            self._write_repetition(m, done.value)
+        except MeasurementError as exc:
+            self._failed(m, exc)
+        return False
+
+    def _failed(self, m: Measurement, exc: MeasurementError) -> None:
+        # One cell failing (a decode error) must not cost the others their numbers.
+        _record_failure(self.writer, m.model.key, exc, [m], self.console)
+        self.contrasts.failed.add(m.id)
+        cell = self.group.drop(m)
+        if cell:
+            cell.close()
+
+    def _stream_needs(self, decoding: list[Measurement]) -> dict[int, set[str]]:
+        """Per thread count, the tensor types the decoding cells read."""
+        needs: dict[int, set[str]] = {}
+        for m in decoding:
+            needs.setdefault(m.settings.threads, set()).update(self.group.files[m.model.key][1])
+        return needs
 
     def _needs(self, active: list[Measurement]) -> dict[int, tuple[set, set]]:
         """Per thread count, the tensor types and phases the round's cells need probed."""
@@ -428,12 +525,10 @@ class _Rounds:
                                                                 or m.shared_prefix)) if on)
         return needs
 
-    def _repetition(self, m: Measurement, round_index: int, position: int) -> None:
-        rep = self.group.cell(m).run(round_index, position)
-        record = {"type": "repetition", "id": m.id, "round": round_index,
-                  "position": position, "rep": rep, "elapsed_s": self.budget.elapsed_s(),
-                  "at": now_iso()}
-        self.writer.append(record)
+    def _write_repetition(self, m: Measurement, rep: dict) -> None:
+        self.writer.append({"type": "repetition", "id": m.id, "round": rep["round"],
+                            "position": rep["position"], "rep": rep,
+                            "elapsed_s": self.budget.elapsed_s(), "at": now_iso()})
         self.reps[m.id].append(self.writer.records.repetitions[-1])
 
     def _finish(self, active: list[Measurement], round_index: int) -> list[Measurement]:
@@ -528,7 +623,7 @@ def plan_summary(scenario: Scenario, cache_dir: Path | None) -> dict:
     models kept loaded together, with all their cells' contexts), bytes still to build."""
     todo = list(scenario.measurements)
     needs = dict(_memory_by_model(todo, all_contexts=True))
-    groups = group_by_memory(needs, available_ram_bytes())
+    groups = group_by_memory(needs, available_ram_bytes(), _links(todo))
     return {"n_models": len(needs), "n_groups": len(groups),
             "ram_gib": max(sum(needs[k] for k in g) for g in groups) / 2**30,
             "build_gib": _build_n_bytes(scenario, todo, cache_dir) / 2**30}

@@ -110,7 +110,7 @@ def _stop_round(target: str, budget: int = 40) -> tuple[int, str]:
     policy = Policy(None, target_ci=0.03, min_repetitions=6)
     for n in range(1, budget + 1):
         data = _drifting_cells(n)
-        width = widest_ci("a", [("b", "decode")], lambda c, _, d=data: d[c], target)
+        width = widest_ci("a", [("b", "decode")], lambda c, _, d=data: ({}, d[c]), target)
         reason = stop_reason(n, width, policy, over_budget=n == budget)
         if reason:
             return n, reason

@@ -74,14 +74,21 @@ def test_end_to_end_records_are_complete_and_consistent(tmp_path, monkeypatch):
     # the full set at both ends, and before every round the figures its cells need
     whens = [p.when for p in records.probes]
     assert whens[0] == "before" and whens[-1] == "after"
-    assert set(whens[1:-1]) == {"beside"}
+    assert set(whens[1:-1]) == {"beside", "rotation"}
+    # a rotation probe per round: one streaming pass per type after each of the 16 ticks
+    rotation = [p for p in records.probes if p.when == "rotation"]
+    assert len(rotation) == 3
+    for p in rotation:
+        ggml = p.result["threads"]["1"]["ggml"]
+        assert {len(e["stream_samples_gb_s"]) for e in ggml.values()} == {16}
     n_rounds = 3  # tiny.yaml: repetitions: 3
     assert [r.round for r in records.rounds] == list(range(n_rounds))
-    assert [p.round for p in records.probes[1:-1]] == list(range(n_rounds))
+    assert [p.round for p in records.probes[1:-1]] == [r for r in range(n_rounds) for _ in "ab"]
     for probe in records.probes[1:-1]:
         ggml = probe.result["threads"]["1"]["ggml"]
         assert set(ggml) == {"f32", "q8_0"}  # the types of the models in the run
-        assert all("stream_gb_s" in e and "compute_gflop_s" in e for e in ggml.values())
+        assert all("stream_gb_s" in e for e in ggml.values())
+        assert all("compute_gflop_s" in e for e in ggml.values()) == (probe.when == "beside")
     # every round: each cell once, in the round record's shuffled order
     for rnd in records.rounds:
         reps = [r for r in records.repetitions if r.round == rnd.round]
@@ -121,6 +128,9 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
         def beside(self, threads, dtypes, phases):
             raise MemoryError("no room")
 
+        def tick(self, threads, dtypes):
+            raise MemoryError("no room")
+
         def layout(self, dtype):
             return None
 
@@ -132,7 +142,8 @@ def test_a_failed_probe_is_recorded_as_missing(tmp_path, monkeypatch):
         analysis = run_scenario(plan, writer, {}, console=QUIET, prober_factory=Broken)
     assert len(writer.records.measurements) == len(plan.measurements)
     errors = [p.error for p in writer.records.probes]
-    assert errors == ["MemoryError: no room"] * (2 + 3)  # both ends and each of 3 rounds
+    # both ends, and before and inside each of 3 rounds (once each, not once per step)
+    assert errors == ["MemoryError: no room"] * (2 + 3 + 3)
     assert all(r["read_ceiling"]["value"] is None for r in analysis["decode"])
     assert all(r["stream_ceiling"]["value"] is None and r["share_of_stream"] is None
                for r in analysis["decode"])
@@ -186,7 +197,7 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert sorted(ids) == sorted(m.id for m in plan.measurements)
     assert len(ids) == len(set(ids))
     assert [type(r).__name__ for r in records.other] == ["Resume"]
-    whens = [p.when for p in records.probes if p.when != "beside"]
+    whens = [p.when for p in records.probes if p.when in ("before", "after")]
     assert whens == ["before", "before", "after"]
     # the interrupted cells kept their three repetitions: none ran a fourth; those written on
     # resume state the setup their context was made with, as the others do
@@ -195,32 +206,41 @@ def test_resume_completes_an_interrupted_run(tmp_path, monkeypatch):
     assert len(records.repetitions) == 3 * len(plan.measurements)
 
 
-def test_resume_mid_round_keeps_the_shuffle_and_the_repetitions(tmp_path, monkeypatch):
+@pytest.mark.parametrize("interleave", ["step", "round"])
+def test_resume_mid_round_keeps_the_shuffle_and_the_repetitions(tmp_path, monkeypatch,
+                                                                interleave):
     fast_noise(monkeypatch)
-    plan = load_scenario(SCENARIO, 1)
-    real = runner._Rounds._repetition
-    calls = {"n": 0}
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(SCENARIO.read_text() + f"interleave: {interleave}\n")
+    plan = load_scenario(scenario, 1)
+    real = runner._Rounds._start
 
-    def stop_in_round_two(self, m, round_index, position):
-        if round_index == 1 and position == 5:
+    def stop_in_round_two(self, m, round_index, position, how):
+        if round_index == 1 and position == 5:  # cells 0-4 begun, the decode ones unfinished
             raise KeyboardInterrupt
-        calls["n"] += 1
-        return real(self, m, round_index, position)
+        return real(self, m, round_index, position, how)
 
-    monkeypatch.setattr(runner._Rounds, "_repetition", stop_in_round_two)
+    monkeypatch.setattr(runner._Rounds, "_start", stop_in_round_two)
     with pytest.raises(KeyboardInterrupt), RunWriter(tmp_path / "run", resume=False) as w:
         run_scenario(plan, w, {}, console=QUIET)
     partial = read_records(tmp_path / "run" / "results.jsonl")
-    assert calls["n"] == 12 + 5 and partial.measurements == []
-    monkeypatch.setattr(runner._Rounds, "_repetition", real)
-    _, records = run(tmp_path, resume=True)
+    order = partial.rounds[1].order
+    kept = {r.id for r in partial.repetitions if r.round == 1}
+    decode = {m.id for m in plan.measurements if m.n_gen}
+    # a decode cell begun before the interruption waits for the others' prompts: in step
+    # rounds it had not ended, in whole-repetition rounds it had
+    begun = set(order[:5])
+    assert kept == (begun - decode if interleave == "step" else begun)
+    assert partial.measurements == []
+    monkeypatch.setattr(runner._Rounds, "_start", real)
+    _, records = run(tmp_path, scenario=scenario, resume=True)
     # round 1 was finished in the order it started with (its round record not written again),
-    # then round 2 followed
+    # nothing of it lost or written twice, then round 2 followed
     assert [r.round for r in records.rounds] == [0, 1, 2]
-    round1 = sorted((r for r in records.repetitions if r.round == 1),
-                    key=lambda r: r.seq)
+    round1 = sorted((r for r in records.repetitions if r.round == 1), key=lambda r: r.position)
     assert [r.position for r in round1] == list(range(12))
     assert [r.id for r in round1] == records.rounds[1].order
+    assert {r.rep["interleave"] for r in records.repetitions if r.id in decode} == {interleave}
     assert all(m.repetitions == 3 and m.samples["rounds"] == [0, 1, 2]
                for m in records.measurements)
 
@@ -277,7 +297,9 @@ def test_cli_run_writes_results_and_summary(run_cli, tmp_path, monkeypatch):
     out = tmp_path / "cli-run"
     r = run_cli("run", str(SCENARIO), "--out", str(out))
     assert r.exit_code == 0, r.stderr
-    assert "prefill tok/s" in r.stdout and "tiny-llama" in r.stdout
+    # findings first, one line per cell, in 100 columns; the wide tables in the report
+    assert r.stdout.startswith("Findings\n") and "tiny-llama f32 t1 pp8+tg16" in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines() if str(tmp_path) not in line) <= 100
     assert r.stdout.strip().endswith(str(out))
     again = run_cli("run", str(SCENARIO), "--out", str(out))
     assert_user_error(again, "already holds results", "--resume")

@@ -4,8 +4,20 @@ use. Pure functions of the stored records."""
 
 from __future__ import annotations
 
+import math
+from itertools import groupby
+
+import numpy as np
+
 from ..core.records import Measurement, Probe
-from ..core.stats import log_median, ratio_summary, relative_half_width, summarize
+from ..core.stats import (
+    WINDOW_TICKS,
+    log_median,
+    ratio_summary,
+    relative_half_width,
+    summarize,
+    windows,
+)
 
 
 def _samples_key(key: str) -> str:
@@ -85,7 +97,11 @@ def round_shares(m: Measurement, phase: str, weights: dict, probes: list[Probe],
     """A measurement's share of its ceiling, round by round: each repetition's figure (its
     rate × per_rate) ÷ the ceiling probed just before that round (the median of the
     probe's passes over the model's tensor types), summarized as a contrast of the run's
-    model; None without beside probes."""
+    model; None without beside probes. A decode whose steps ran in a rotation with a probe's
+    is judged window by window instead: each window's rate ÷ the probe's passes in those ticks,
+    a ratio of neighbours."""
+    if phase == "decode" and (by_window := window_shares(m, weights, probes, per_rate)):
+        return by_window
     beside = {p.round: p for p in probes if p.when == "beside" and p.round is not None
               and m.threads in (p.threads or [m.threads])}
     shares = []
@@ -97,6 +113,70 @@ def round_shares(m: Measurement, phase: str, weights: dict, probes: list[Probe],
         if c["value"]:
             shares.append(rate * per_rate / c["value"])
     return ratio_summary(shares) if shares else None
+
+
+def window_shares(m: Measurement, weights: dict, probes: list[Probe], per_rate: float
+                  ) -> dict | None:
+    """Each window's decode GB/s ÷ the streaming ceiling probed in the same ticks (the median
+    of the rotation probe's passes there, combined over the model's types); None without a
+    rotation probe beside its steps."""
+    rotation = {p.round: p for p in probes if p.when == "rotation" and p.result
+                and m.threads in p.threads}
+    shares = []
+    for (_, rnd, w), rate in sorted(window_rates(m).items()):
+        if (probe := rotation.get(rnd)) and (ceiling := _ticks_ceiling(probe, weights,
+                                                                         m.threads, w)):
+            shares.append(rate * per_rate / ceiling)
+    return ratio_summary(shares) | {"paired_by": "window"} if shares else None
+
+
+def _ticks_ceiling(probe: Probe, weights: dict, threads: int, window: int) -> float | None:
+    """A window's streaming ceiling over the model's mix of types (time adds up over them)."""
+    ggml = probe.result["threads"].get(str(threads), {}).get("ggml", {})
+    total_s = 0.0
+    for dtype, n in weights.items():
+        if n <= 0:
+            continue
+        ticks = (ggml.get(dtype) or {}).get("stream_samples_gb_s") or []
+        passes = [x for x in ticks[window * WINDOW_TICKS:(window + 1) * WINDOW_TICKS] if x]
+        if not passes:
+            return None  # a type without a pass there: missing, never guessed
+        total_s += n / log_median(passes)
+    return sum(n for n in weights.values() if n > 0) / total_s if total_s else None
+
+
+STEP_REGIME_GAP = 0.15  # two step speeds at least 15% apart
+MIN_STEPS_FOR_REGIMES = 32
+REGIME_SEPARATION = 2.5  # centres 2.5 pooled sds apart on the log scale: two speeds
+
+
+def step_regimes(m: Measurement) -> dict | None:
+    """The speeds a cell's decode steps ran at: two (a slow and a fast one, 2-means on the log
+    step times) when they fall into two clusters at least 15% and REGIME_SEPARATION pooled
+    sds apart, each holding a tenth of the steps; with each speed's spread, the share of
+    steps at the slower, and how many steps in a row the machine kept to one. None under
+    MIN_STEPS_FOR_REGIMES steps."""
+    reps = [[s for s in rep if s > 0] for rep in m.samples.get("decode_s") or []]
+    logs = np.log([s for rep in reps for s in rep])
+    if len(logs) < MIN_STEPS_FOR_REGIMES:
+        return None
+    lo, hi = np.percentile(logs, [25, 75])
+    for _ in range(50):
+        split = (lo + hi) / 2
+        fast, slow = logs[logs <= split], logs[logs > split]
+        if not len(fast) or not len(slow):
+            return {"n": 1, "ms": [float(np.exp(np.median(logs))) * 1e3]}
+        lo, hi = float(fast.mean()), float(slow.mean())
+    sd = float(np.sqrt((fast.var() * len(fast) + slow.var() * len(slow)) / len(logs)))
+    share = len(slow) / len(logs)
+    if (hi - lo < math.log1p(STEP_REGIME_GAP) or (sd and (hi - lo) / sd < REGIME_SEPARATION)
+            or min(share, 1 - share) < 0.1):
+        return {"n": 1, "ms": [float(np.exp(np.median(logs))) * 1e3],
+                "cv": float(np.std(logs))}
+    runs = [len(list(g)) for rep in reps for _, g in groupby(np.log(rep) > split)]
+    return {"n": 2, "ms": [float(np.exp(lo)) * 1e3, float(np.exp(hi)) * 1e3],
+            "cv": max(float(fast.std()), float(slow.std())), "slow_share": share,
+            "mean_run_steps": sum(runs) / len(runs)}
 
 
 def above_ceiling(share: float | None, ceiling: dict, by_round: dict | None = None) -> bool:
@@ -121,6 +201,18 @@ def rep_rates(m: Measurement, phase: str) -> list[float | None]:
         return [n / sum(d) if d and sum(d) > 0 else None for d in m.samples.get("decode_s", [])]
     n = m.parallel * (m.shared_prefix + m.n_prompt)
     return [n / t if t else None for t in m.samples.get("prefill_s", [])]
+
+
+def window_rates(m: Measurement) -> dict[tuple[int, int, int], float]:
+    """Each step-interleaved repetition's decode rate per window of adjacent steps, keyed by
+    (RAM group, round, window): the finest blocks two cells of one round pair on."""
+    s = m.samples
+    out = {}
+    for rnd, how, steps in zip(s.get("rounds") or [], s.get("interleave") or [],
+                               s.get("decode_s") or [], strict=False):
+        if how == "step" and rnd is not None:
+            out |= {(m.ram_group, rnd, w): x for w, x in enumerate(windows(steps, m.parallel))}
+    return out
 
 
 def round_rates(m: Measurement, phase: str) -> dict[tuple[int, int], float]:

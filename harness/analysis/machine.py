@@ -11,7 +11,7 @@ from .ceilings import probe_figure
 def ceilings_summary(probes: list[Probe]) -> list[dict]:
     """Each probed figure before and after the measurements, how far they moved, and the
     range of the probes taken beside the measurements."""
-    full = [p for p in probes if p.result and p.when != "beside"]
+    full = [p for p in probes if p.result and p.when not in ("beside", "rotation")]
     before = next((p for p in full if p.when == "before"), None)
     after = next((p for p in reversed(full) if p.when == "after"), None)
     beside = [p for p in probes if p.result and p.when == "beside"]
@@ -68,6 +68,28 @@ def stability(measurements: list[Measurement], rounds: list[Round], noisy_cores:
         out["regimes"] = [{"median_gb_s": center(summarize(x)), "share": len(x) / len(reads)}
                           for x in (slow, fast)]
     return out
+
+
+def regime_sentences(rows: list[dict]) -> list[str]:
+    """The speeds the decode cells ran at, said once: each cell seen at two speeds, with how
+    long the machine kept to one (steps, and seconds of the rotation they ran in)."""
+    tick_s = sum(1 / center(r["tok_s"]) for r in rows if r.get("interleave") == "step")
+    out = []
+    for r in rows:
+        reg = r.get("regimes") or {}
+        if reg.get("n") != 2:
+            continue
+        step_s = tick_s if r.get("interleave") == "step" else 1 / center(r["tok_s"])
+        out.append(f"{r['model']} {r['dtype']} about {_ms(reg['ms'][0])} and "
+                   f"{_ms(reg['ms'][1])} ms per step ({reg['slow_share']:.0%} of its steps at "
+                   f"the slower; a speed held ≈{reg['mean_run_steps'] * step_s:.2g} s, "
+                   f"{reg['mean_run_steps']:.0f} steps, on average)")
+    return out
+
+
+def _ms(x: float) -> str:
+    """Milliseconds to the digit that matters: whole above 10, two figures below."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def probe_errors(probes: list[Probe]) -> list[str]:

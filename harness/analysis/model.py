@@ -56,7 +56,7 @@ SHORT_ROW, LONG_ROW = 512, 4096  # the probe's streaming rows (KernelProbe.NARRO
 
 
 def full_probes(probes: list[Probe]) -> list[Probe]:
-    return [p for p in probes if p.result and p.when != "beside"]
+    return [p for p in probes if p.result and p.when not in ("beside", "rotation")]
 
 
 def _median_figure(probes: list[dict], threads: int, path: tuple[str, ...]) -> dict | None:

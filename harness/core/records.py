@@ -125,6 +125,7 @@ class Measurement(Record, tag="measurement", kw_only=True):
     ci_reached: float | None = None
     target: str | None = None
     partners: list[list[str]] = []
+    interleave: str = "round"  # "step": its decode steps ran in turn with the round's others
     ram_group: int = 0  # the RAM group it ran in (a grouping record's), filled on read
     # summaries of the samples
     ttft_s: Summary | None = None
@@ -180,6 +181,7 @@ class Failure(Record, tag="failure", kw_only=True):
 
 class Grouping(Record, tag="grouping", kw_only=True):
     groups: list[list[str]]
+    split: list[list[str]] = []  # compared model pairs put in different groups (never paired)
     why: str | None = None
     at: str | None = None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .stats import contrast, relative_half_width, summarize
+from .stats import contrast, finest, relative_half_width, summarize
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,14 @@ def contrast_pairs(cells: dict[str, tuple], phases: dict[str, set]) -> list[tupl
 def widest_ci(cell: str, partners: list[tuple[str, str]], series, target: str = "contrasts"
               ) -> float | None:
     """The widest relative interval a cell is judged on: its contrasts with its partners
-    ((partner, phase) pairs; series(cell, phase) gives {round: rate}), or its own long-run
-    median under target `absolute`; None while one is missing or, with target `contrasts`,
-    when the cell is in no contrast."""
+    ((partner, phase) pairs; series(cell, phase) gives its ({(round, window): rate},
+    {round: rate}), paired on the finest blocks both have), or its own long-run median under
+    target `absolute`; None while one is missing or, with target `contrasts`, when the cell
+    is in no contrast."""
     if target == "absolute":
-        own = series(cell, None)
+        own = series(cell, None)[1]
         return relative_ci([own[k] for k in sorted(own)])
-    widths = [contrast_ci(series(cell, phase), series(other, phase))
+    widths = [contrast_ci(*finest(series(cell, phase), series(other, phase)))
               for other, phase in partners]
     return None if not widths or any(w is None for w in widths) else max(widths)
 
@@ -108,18 +109,57 @@ def stop_reason(n: int, ci: float | None, policy: Policy, over_budget: bool = Fa
     return None
 
 
-def group_by_memory(needs: dict[str, int], available: int | None) -> list[list[str]]:
+def group_by_memory(needs: dict[str, int], available: int | None,
+                    links: set[frozenset[str]] = frozenset()) -> list[list[str]]:
     """Models (key -> bytes they need loaded, with their cells' contexts) packed into groups
-    that fit in the available RAM together, largest first; one group when all fit."""
+    that fit in the available RAM together; one group when all fit. Models a report compares
+    (links: pairs of keys) are put together first, the pairs with the most links between
+    them first, so a contrast is split across groups only where the two cannot fit at once;
+    then the clusters are packed largest first."""
     keys = list(needs)
     if available is None or sum(needs.values()) <= available:
         return [keys] if keys else []
+    clusters = [[k] for k in keys]
+    while merge := _best_merge(clusters, needs, available, links):
+        i, j = merge
+        clusters[i] += clusters.pop(j)
     groups: list[tuple[int, list[str]]] = []
-    for key in sorted(keys, key=lambda k: -needs[k]):
+    for cluster in sorted(clusters, key=lambda c: -sum(needs[k] for k in c)):
+        size = sum(needs[k] for k in cluster)
         for i, (used, members) in enumerate(groups):
-            if used + needs[key] <= available:
-                groups[i] = (used + needs[key], members + [key])
+            if used + size <= available:
+                groups[i] = (used + size, members + cluster)
                 break
         else:
-            groups.append((needs[key], [key]))
+            groups.append((size, cluster))
     return [members for _, members in groups]
+
+
+def _best_merge(clusters: list[list[str]], needs: dict[str, int], available: int,
+                links: set[frozenset[str]]) -> tuple[int, int] | None:
+    """The two clusters with the most links between them that fit together (the larger
+    pair on a tie), or None."""
+    best = None
+    for i, a in enumerate(clusters):
+        for j in range(i + 1, len(clusters)):
+            b = clusters[j]
+            size = sum(needs[k] for k in a + b)
+            n_links = sum(frozenset((x, y)) in links for x in a for y in b)
+            if n_links and size <= available and (best is None or (n_links, size) > best[0]):
+                best = ((n_links, size), (i, j))
+    return best[1] if best else None
+
+
+def split_pairs(groups: list[list[str]], links: set[frozenset[str]]) -> list[list[str]]:
+    """The compared model pairs that ended in different groups (never paired), sorted."""
+    group_of = {k: i for i, g in enumerate(groups) for k in g}
+    return sorted(sorted(pair) for pair in links
+                  if len({group_of.get(k) for k in pair}) > 1)
+
+
+def model_links(cells: dict[str, tuple], model_of: dict[str, str], phases: dict[str, set]
+                ) -> set[frozenset[str]]:
+    """The model pairs the report compares: the models of every contrast's two cells, where
+    they differ (cells: pairing keys; model_of: cell -> model key)."""
+    return {frozenset((model_of[a], model_of[b])) for a, b, _ in contrast_pairs(cells, phases)
+            if model_of[a] != model_of[b]}

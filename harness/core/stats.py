@@ -183,6 +183,35 @@ def unpaired(ours: dict, theirs: dict) -> dict | None:
     return {"n": 1, "ratio": x / y, "median": x / y, "median_ci95": ci, "paired": False}
 
 
+WINDOW_TICKS = 16  # steps per window of a step-interleaved decode (scripts/sim_intervals.py)
+
+
+def windows(steps_s: list[float], n_per_step: int = 1) -> list[float]:
+    """Rates over windows of WINDOW_TICKS adjacent decode steps (the last may be shorter):
+    the blocks a step-interleaved contrast pairs, each within seconds of its partner's."""
+    return [n_per_step * len(w) / sum(w)
+            for w in (steps_s[i:i + WINDOW_TICKS] for i in range(0, len(steps_s), WINDOW_TICKS))
+            if sum(w) > 0]
+
+
+def finest(ours: tuple[dict, dict], theirs: tuple[dict, dict]) -> tuple[dict, dict]:
+    """Two cells' (windows, rounds) rates as the blocks to pair: their windows where they
+    share any (both decoded step by step in the same rounds), else their rounds."""
+    if ours[0].keys() & theirs[0].keys():
+        return ours[0], theirs[0]
+    return ours[1], theirs[1]
+
+
+def row_pair(ours: dict, theirs: dict) -> tuple[dict, dict]:
+    """Two analysis rows' finest shared blocks (harness.core.stats.finest)."""
+    return finest((row_windows(ours), row_blocks(ours)), (row_windows(theirs), row_blocks(theirs)))
+
+
+def row_windows(row: dict) -> dict:
+    """An analysis row's per-window rates ([[[RAM group, round, window], rate], ...])."""
+    return {tuple(k): x for k, x in row.get("window_rates") or []}
+
+
 def row_blocks(row: dict) -> dict:
     """An analysis row's per-round rates ([[[RAM group, round], rate], ...] as stored) keyed
     by (RAM group, round), the blocks a contrast pairs."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Generator
 from dataclasses import asdict
 
 import numpy as np
 
 from ..core.errors import MeasurementError
+from ..core.stats import windows
 from . import noise
 from .records import summarized
 from .scenario import Measurement
@@ -58,13 +60,29 @@ class Cell:
             self.setup["flash_attn_used"] = self.ctx.flash_attn_used
             # llama.cpp clamps n_batch and n_ubatch to the context: what the prompt ran in
             self.setup |= {"n_batch_used": self.ctx.n_batch, "n_ubatch_used": self.ctx.n_ubatch}
-            self.warmups = [self._repetition(0) for _ in range(m.settings.warmup)]
+            self.warmups = [_exhaust(self._repetition(0)) for _ in range(m.settings.warmup)]
         except MeasurementError as exc:
             self.close()
             raise _named(exc, m) from None
 
+    @property
+    def steps_apart(self) -> bool:
+        """Whether its decode steps can join a step rotation: a single sequence from an empty
+        cache, or a batch; a depth cell's decode is paired with its own baseline inside the
+        repetition, and a prefix test has no decode."""
+        return bool(self.m.n_gen) and (self.m.kind == "batched"
+                                       or (self.m.kind == "single" and not self.m.depth))
+
     def run(self, round_index: int, position: int) -> dict:
-        """One timed repetition; a decode is bracketed by reads of the model's own pages."""
+        """One timed repetition, whole."""
+        return _exhaust(self.steps(round_index, position, "round"))
+
+    def steps(self, round_index: int, position: int, interleave: str
+              ) -> Generator[None, None, dict]:
+        """One timed repetition as a generator: it yields once its prompt is in (the cell is
+        ready to decode) and after each decode step, so a round can run several cells' steps in
+        turn, and returns the repetition; a decode is bracketed by reads of the model's own
+        pages."""
         from .llama import check_abort
 
         check_abort()
@@ -73,16 +91,26 @@ class Cell:
         try:
             if self.pages is not None and self.m.n_gen:
                 reads.append(self.pages.read(self.m.settings.threads))
-            rep = self._repetition(round_index)
+            rep = yield from self._repetition(round_index)
             if self.pages is not None and self.m.n_gen:
                 reads.append(self.pages.read(self.m.settings.threads))
         except MeasurementError as exc:
             raise _named(exc, self.m) from None
         return rep | {"round": round_index, "position": position, "read_gb_s": reads or None,
-                      "during_other_cores": noise.other_cores(before, noise.snapshot())}
+                      "during_other_cores": noise.other_cores(before, noise.snapshot()),
+                      "interleave": interleave if self.steps_apart else "round"}
 
     def close(self) -> None:
         self.ctx.close()
+
+
+def _exhaust(steps: Generator):
+    """Run a repetition's generator to its end: its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def round_series(m: Measurement, reps: list, phase: str | None = None
@@ -95,6 +123,16 @@ def round_series(m: Measurement, reps: list, phase: str | None = None
                 if r.rep["decode_s"] and sum(r.rep["decode_s"]) > 0}
     n = m.parallel * (m.shared_prefix + m.n_prompt)
     return {r.round: n / r.rep["prefill_s"] for r in reps if r.rep["prefill_s"]}
+
+
+def window_series(m: Measurement, reps: list, phase: str | None = None
+                  ) -> dict[tuple[int, int], float]:
+    """A cell's decode tok/s per window of adjacent steps, keyed by (round, window), in the
+    repetitions whose steps ran in turn with other cells' (empty for prefill)."""
+    if (phase or m.phase) != "decode":
+        return {}
+    return {(r.round, w): x for r in reps if r.rep.get("interleave") == "step"
+            for w, x in enumerate(windows(r.rep["decode_s"], m.parallel))}
 
 
 def _check_context_made(ctx, m: Measurement) -> None:
@@ -136,7 +174,7 @@ def _single(ctx, m: Measurement, rng):
     if m.depth:
         setup["depth_fill_s"] = ctx.prefill(_tokens(rng, ctx.n_vocab, m.depth))
 
-    def repetition(round_index: int) -> dict:
+    def repetition(round_index: int) -> Generator[None, None, dict]:
         out = {}
         baseline_first = round_index % 2 == 0  # ABBA: the pair's order alternates by round
         if m.depth and baseline_first:
@@ -148,7 +186,14 @@ def _single(ctx, m: Measurement, rng):
         else:
             ctx.clear()  # no KV reuse between repetitions: every prefill starts from empty
         prefill_s = ctx.prefill(prompt) if prompt else None
-        decode_s = ctx.decode(gen) if gen else []
+        decode_s = []
+        if gen and not m.depth:  # a depth cell's decode stays beside its baseline, whole
+            yield
+            for token in gen:
+                decode_s += ctx.decode([token])
+                yield
+        elif gen:
+            decode_s = ctx.decode(gen)
         perf = asdict(ctx.perf())
         n_cached = m.depth + m.n_prompt + m.n_gen
         _expect_cached(ctx, 0, n_cached, "after the repetition")
@@ -177,10 +222,14 @@ def _batched(ctx, m: Measurement, rng):
     prompts = [_tokens(rng, ctx.n_vocab, m.n_prompt) for _ in range(m.parallel)]
     steps = _tokens(rng, ctx.n_vocab, (m.n_gen, m.parallel))
 
-    def repetition(round_index: int) -> dict:
+    def repetition(round_index: int) -> Generator[None, None, dict]:
         ctx.clear()
         prefill_s = ctx.prefill_seqs(prompts) if m.n_prompt else None
-        decode_s = ctx.decode_parallel(steps, m.n_prompt) if m.n_gen else []
+        decode_s = []
+        yield
+        for k, step in enumerate(steps):
+            decode_s += ctx.decode_parallel([step], m.n_prompt + k)
+            yield
         for seq in (0, m.parallel - 1):
             _expect_cached(ctx, seq, m.n_prompt + m.n_gen, "after the batched decode")
         return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
@@ -198,7 +247,7 @@ def _prefix_cache(ctx, m: Measurement, rng):
     state = ctx.save_seq(0)
     n_prefix = m.shared_prefix
 
-    def repetition(round_index: int) -> dict:
+    def repetition(round_index: int) -> Generator[None, None, dict]:
         ctx.clear()
         recompute_s = ctx.prefill(prefix + question)
         ctx.trim(0, n_prefix)
@@ -213,6 +262,7 @@ def _prefix_cache(ctx, m: Measurement, rng):
         ctx.prefill(question)
         restore_s = (time.perf_counter_ns() - start) / 1e9
         _expect_cached(ctx, 0, n_prefix + m.n_prompt, "after the state restore")
+        yield from ()  # a generator like the others, with no step to share
         return {"prefill_s": recompute_s, "decode_s": [], "perf": asdict(ctx.perf()),
                 "reuse_s": {"seq_copy": seq_copy_s, "state_restore": restore_s}}
 
@@ -246,10 +296,12 @@ def make_record(m: Measurement, info: dict, warmups: list[dict], reps: list[dict
                     "n_cached": [r.get("n_cached") for r in reps],
                     "rounds": [r.get("round") for r in reps],
                     "positions": [r.get("position") for r in reps],
-                    "read_gb_s": [r.get("read_gb_s") for r in reps]},
+                    "read_gb_s": [r.get("read_gb_s") for r in reps],
+                    "interleave": [r.get("interleave", "round") for r in reps]},
         "warmup_samples": {"prefill_s": [r["prefill_s"] for r in warmups],
                            "decode_s": [r["decode_s"] for r in warmups]},
         "noise": noise_reading, "started": started, "finished": now_iso(),
+        "interleave": "step" if any(r.get("interleave") == "step" for r in reps) else "round",
     } | (run or {})
     if m.depth:
         record["samples"]["baseline_decode_s"] = [r["baseline_decode_s"] for r in reps]

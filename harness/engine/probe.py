@@ -262,6 +262,17 @@ class Prober:
                 "stream_n_bytes": self.kernels.stream_n_bytes, "dtypes": sorted(set(dtypes)),
                 "threads": {str(n_threads): result}, "seconds": time.perf_counter() - start}
 
+    def tick(self, n_threads: int, dtypes: list[str]) -> dict[str, float | None]:
+        """One timed streaming pass of each type, a "cell" in a round's rotation of decode
+        steps: the ceiling beside the steps around it (None where ggml cannot probe it)."""
+        out: dict[str, float | None] = {}
+        for dtype in dtypes:
+            try:
+                out[dtype] = self.kernels.stream(dtype, n_threads, 1)["samples_gb_s"][0]
+            except (MeasurementError, MemoryError):
+                out[dtype] = None
+        return out
+
     def _attention(self, n_threads: int, passes: int, phase: str) -> dict:
         """Flash attention's GFLOP/s at each shape, a prefill ubatch or a decode step; a shape
         ggml cannot run keeps its reason."""

@@ -34,7 +34,7 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "target", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
-             "mmap", "tests"]
+             "mmap", "interleave", "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
               "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
 # Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
@@ -211,6 +211,7 @@ class Scenario:
     reference: dict | None = None  # published figures and claims (harness.reference)
     target: str = "contrasts"  # what target_ci applies to: "contrasts" or "absolute"
     mmap: bool = True  # models read from the mapped file (llama.cpp's default) or copied in
+    interleave: str = "step"  # decode steps of a round's cells in turn, or whole repetitions
 
     @property
     def sha256(self) -> str:
@@ -245,21 +246,28 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         max_seconds=(want_float(doc, ("max_seconds",), data["max_seconds"], minimum=1,
                                 maximum=MAX_SECONDS) if "max_seconds" in data else None),
         reference=(load_reference(doc, data["reference"]) if "reference" in data else None),
-        target=_target(doc, data),
+        target=_choice(doc, data, "target", TARGETS),
         mmap=want_bool(doc, ("mmap",), data.get("mmap", True)),
+        interleave=_choice(doc, data, "interleave", INTERLEAVES),
     )
 
 
 TARGETS = ("contrasts", "absolute")
+# What `auto` repetitions run until: the report's contrasts (cells differing in one setting)
+# within target_ci, or every cell's own figure (`absolute`).
+INTERLEAVES = ("step", "round")
+# How a round runs its cells: their decode steps in turn, one step of each (`step`), so two
+# cells compared are timed within a second of each other; or one whole repetition after
+# another (`round`), as runs before schema 2 did.
 
 
-def _target(doc: Doc, data: dict) -> str:
-    """What `auto` repetitions run until: the report's contrasts (cells differing in one
-    setting) within target_ci, or every cell's own figure (`absolute`)."""
-    value = data.get("target", "contrasts")
-    if value not in TARGETS:
-        raise doc.error(("target",), f"expected contrasts or absolute, got {value!r}",
-                        fix="write target: contrasts (the default) or target: absolute")
+def _choice(doc: Doc, data: dict, key: str, choices: tuple[str, ...]) -> str:
+    """A key taking one of a few words, the first its default."""
+    value = data.get(key, choices[0])
+    if value not in choices:
+        raise doc.error((key,), f"expected {' or '.join(choices)}, got {value!r}",
+                        fix=f"write {key}: {choices[0]} (the default) or {key}: "
+                            + f" or {key}: ".join(choices[1:]))
     return value
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-from ..analysis.ceilings import round_rates
+from ..analysis.ceilings import round_rates, window_rates
 from ..core.records import Measurement, Model, Probe
 from ..core.specs import ModelSpec
-from ..core.stats import center, contrast, unpaired
+from ..core.stats import center, contrast, finest, unpaired
 
 
 def group_records(records: list[Measurement], key) -> list[list[Measurement]]:
@@ -46,7 +46,8 @@ def round_ratio(a: Measurement, b: Measurement, phase: str) -> dict | None:
     where both ran a repetition, so drift between rounds cancels; for cells that never shared
     a round (other RAM groups, runs without rounds), the ratio of medians, unpaired, with an
     interval that keeps the drift, and why. Named by the two cells' ids and the metric."""
-    ours, theirs = round_rates(a, phase), round_rates(b, phase)
+    ours, theirs = finest((window_rates(a) if phase == "decode" else {}, round_rates(a, phase)),
+                          (window_rates(b) if phase == "decode" else {}, round_rates(b, phase)))
     if a.id == b.id:  # a cell against itself (a table's baseline row): exactly 1
         out = {"n": (getattr(a, f"{phase}_tok_s") or {}).get("n", 1), "ratio": 1.0,
                "median": 1.0,

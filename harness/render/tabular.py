@@ -31,6 +31,8 @@ FLAG_WORDS = {
     "noisy": "other processes used the CPU during the measurement",
     "perf-mismatch": "llama.cpp's own timers differ from the wall clock by more than 5%",
     "above-ceiling": "faster than the ceiling measured beside it",
+    "cache-evicted": ("its bytes per step fit in the last-level cache, which the other cells' "
+                      "steps between its own evict: slower than it would decode alone"),
 }
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..core.stats import center
+from ..analysis.machine import regime_sentences
+from ..core.stats import WINDOW_TICKS, center
 from ..levers.common import threads_label
 
 GB = 1e9
@@ -60,11 +61,21 @@ def drift_finding(a: dict) -> list[str]:
     d = a.get("machine_drift")
     if not d:
         return []
+    stepped = any(r.get("interleave") == "step" for r in a["decode"])
+    how = ("decode ratios between cells that decoded in turn are taken over windows of "
+           f"{WINDOW_TICKS} adjacent steps and the other ratios round by round" if stepped
+           else "ratios between cells are taken round by round")
+    unpaired = [c["name"] for f in a.get("fits") or [] for c in f.get("size_contrasts") or []
+                if not c.get("paired")]
+    but = (f", except {'; '.join(unpaired)}, whose cells never ran together (unpaired: "
+           "the drift is in their intervals)" if unpaired else "")
+    regimes = regime_sentences(a["decode"])
     return [f"Across the run's {d['n_rounds']} rounds this machine ran between "
             f"{d['low']:.2f}× and {d['high']:.2f}× of its median speed (the round effects, "
-            "the median over the cells of each round): absolute figures describe those "
-            "minutes, and every ratio between cells is taken round by round, so the drift "
-            "cancels in it."]
+            f"the median over the cells of each round): absolute figures describe those "
+            f"minutes; {how}, so the drift cancels in them{but}."
+            + (" Within rounds the machine switched between two speeds: " + "; ".join(regimes)
+               + "." if regimes else "")]
 
 
 def rows_of(rows: list[dict], key: tuple) -> list[dict]:

@@ -8,9 +8,9 @@ import json
 from collections import Counter
 
 from ..analysis.estimates import HARDWARE
-from ..core.records import Measurement, Probe, to_dict
+from ..core.records import Grouping, Measurement, Probe, to_dict
 from ..core.reference import reference_from_header
-from ..core.stats import center, inverse
+from ..core.stats import WINDOW_TICKS, center, inverse
 from ..levers import PLOT_AFTER, PLOT_CAPTIONS, TABLE_NAMES, lever_tables
 from ..levers.common import threads_label
 from ..render.tabular import (
@@ -540,9 +540,9 @@ NO_ROUNDS = (
 def method_text(records) -> str:
     """The Method paragraph, computed from what the run did."""
     ms = records.measurements
-    parts = [METHOD, _cache_sentence(ms), _rounds_sentence(records),
-             STATISTICS if records.rounds else NO_ROUNDS, _probe_sentence(records.probes),
-             context_sentence(ms)]
+    parts = [METHOD, _cache_sentence(ms), _rounds_sentence(records), _steps_sentence(records),
+             STATISTICS if records.rounds else NO_ROUNDS, _split_sentence(records),
+             _probe_sentence(records.probes), context_sentence(ms)]
     return " ".join(t for t in parts if t)
 
 
@@ -579,6 +579,31 @@ def _rounds_sentence(records) -> str:
             f"cells, each in an order shuffled per round; of its cells, {ended}.")
 
 
+def _steps_sentence(records) -> str:
+    """How a round ran its cells' decode steps, when one step of each ran in turn."""
+    stepped = [m for m in records.measurements if m.interleave == "step"]
+    if not stepped:
+        return ""
+    n = len(stepped)
+    return (f"In each round the prompts ran one cell after another, then the decode steps of "
+            f"{n} cell{'s' if n != 1 else ''} in turn, one step of each again and again, so a "
+            f"decode comparison between two of them is the geometric mean of their ratios over "
+            f"windows of {WINDOW_TICKS} adjacent steps, each window timed beside its partner's "
+            "(the machine's speed switches cancel inside a window); prefill comparisons, and "
+            "decodes that ran whole (at a depth), pair round by round.")
+
+
+def _split_sentence(records) -> str:
+    """Which compared models could not be in RAM together, by name, and so were not paired."""
+    split = [p for g in records.of_type(Grouping) for p in g.split]
+    if not split:
+        return ""
+    names = "; ".join(" and ".join(pair) for pair in split)
+    return (f"Not compared side by side: {names}. Their models and contexts did not fit in RAM "
+            "at once, so they ran in different groups, and a ratio between them is of two "
+            "medians, unpaired, the machine's drift between the groups in its interval.")
+
+
 def _probe_sentence(probes: list[Probe]) -> str:
     full = [p for p in probes if p.when in ("before", "after") and p.result]
     beside = [p for p in probes if p.when == "beside" and p.result]
@@ -592,6 +617,10 @@ def _probe_sentence(probes: list[Probe]) -> str:
         text += (f", and {len(beside)} beside the cells, one before each round, of the thread "
                  "counts and tensor types that round needs"
                  + (f" ({passes[0]}–{passes[-1]} passes each)" if passes else ""))
+    if rotation := sorted({p.round for p in probes if p.when == "rotation" and p.result}):
+        text += (f"; in {len(rotation)} round{'s' if len(rotation) != 1 else ''}, one streaming "
+                 "pass of each tensor type after every tick of the decode steps, so a decode's "
+                 "share of its ceiling is taken window by window against the passes beside it")
     return text + (". A ceiling is the median of its probes' passes, the statistic a "
                    "repetition is compared with" + (
                        ", and a share is taken round by round: a repetition ÷ the ceiling "

@@ -11,9 +11,8 @@ from ..core.costs import (
     weights_n_bytes,
 )
 from ..core.dtypes import DTYPES
-from ..core.records import Measurement
 from ..core.specs import ModelSpec, n_active_params, n_params, tensor_plan
-from ..core.stats import center, inverse
+from ..core.stats import center
 from ..weights.gguf_build import file_n_bytes, table_from_plan
 
 GIB = 2**30
@@ -150,64 +149,12 @@ def round_line(progress: dict) -> str:
             f"{progress['active']} go on{ci} [{progress['elapsed_s']:.0f} s]")
 
 
-def render_summary(measurements: list[Measurement]) -> str:
-    """The end-of-run table: tok/s with their 95% confidence intervals, and flags."""
-    if not measurements:
-        return "no measurements"
-    headers = ["model", "dtype", "threads", "test", "prefill tok/s", "decode tok/s",
-               "ms/token", "n", "flags"]
-    body = [[m.model, m.dtype, m.threads, m.cell.test, _with_ci(m.prefill_tok_s),
-             _with_ci(m.decode_tok_s), _with_ci(inverse(m.decode_tok_s)),
-             m.repetitions, ", ".join(m.flags)] for m in measurements]
-    return tabulate(body, headers, tablefmt="simple", disable_numparse=True) + \
-        "\nMedians over the repetitions, with the 95% interval of this machine's long-run " \
-        "median in brackets (drift included); ms/token = 1000 ÷ the decode rate."
-
-
 def _pct(x: float | None) -> str:
     return f"{x:.0%}" if x is not None else "missing"
 
 
 def _num(x: float | None, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if x is not None else "missing"
-
-
-def render_analysis(a: dict) -> str:
-    """The rule-of-thumb summary shown at the end of `harness run`."""
-    parts = []
-    if a["decode"]:
-        body = [[r["model"], r["dtype"], r["threads"], f"{r['bytes_per_token'] / 1e9:.2f}",
-                 _with_ci(r["tok_s"]), _num(r["effective_gb_s"]),
-                 _num(r["stream_ceiling"]["value"]), _pct(r["share_of_stream"]),
-                 _num(r["read_ceiling"]["value"]), ", ".join(f for f in r["flags"])]
-                for r in a["decode"]]
-        parts.append("Decode: effective bandwidth = tok/s × GB read per token\n" + tabulate(
-            body, ["model", "dtype", "threads", "GB/token", "tok/s", "effective GB/s",
-                   "streaming ceiling GB/s", "share", "numpy read GB/s (diagnostic)",
-                   "flags"],
-            tablefmt="simple", disable_numparse=True))
-    for f in a["fits"]:
-        fit = f["fit"]
-        parts.append(f"Fit, {f['threads']} threads: tok/s = {fit['gb_s']:.1f} GB/s ÷ bytes "
-                     f"(R² = {_num(fit['r2'], 3)}, {fit['n_points']} points)\n"
-                     f"  verdict: {f['verdict']}")
-    body = [[r["model"], r["dtype"], r["threads"], r["n_prompt"], _with_ci(r["tok_s"]),
-             _num(r["gflop_s"]), _num(r["compute_peak"]["value"]), _pct(r["share_of_peak"])]
-            for r in a["prefill"] if r["n_gen"] == 0]
-    if body:
-        parts.append("Prefill: achieved GFLOP/s against ggml's compute peak for the model's "
-                     "types\n" + tabulate(body, ["model", "dtype", "threads", "prompt", "tok/s",
-                                                  "GFLOP/s", "peak GFLOP/s", "share"],
-                                           tablefmt="simple", disable_numparse=True))
-    drift = [c for c in a["ceilings"] if c["drift"] is not None]
-    if drift:
-        worst = max(drift, key=lambda c: abs(c["drift"]))
-        parts.append(f"Ceilings moved by up to {abs(worst['drift']):.0%} between the probes "
-                     f"before and after ({' '.join(worst['what'])}, {worst['threads']} "
-                     "threads).")
-    for error in a["probe_errors"]:
-        parts.append(f"Probe failed: {error}; that ceiling is missing.")
-    return "\n\n".join(parts)
 
 
 def render_probe(result: dict) -> str:

@@ -26,9 +26,10 @@ from ..levers import analyze_levers
 
 def analyze(measurements: list[Measurement], models: dict[str, Model], probes: list[Probe],
             specs: dict | None = None, rounds: list[Round] | None = None,
-            noisy_cores: float = 0.10, ram_bytes: int | None = None) -> dict:
+            noisy_cores: float = 0.10, ram_bytes: int | None = None,
+            llc_n_bytes: int | None = None) -> dict:
     """Everything the rule-of-thumb section of a report shows."""
-    decode = decode_rows(measurements, models, probes)
+    decode = flag_cache_evicted(decode_rows(measurements, models, probes), llc_n_bytes)
     prefill = prefill_rows(measurements, models, probes)
     fits = fit_verdicts(decode)
     levers = analyze_levers(measurements, models, probes, {"decode": decode, "prefill": prefill})
@@ -49,6 +50,15 @@ def analyze(measurements: list[Measurement], models: dict[str, Model], probes: l
                                                     else "prefill") for m in measurements]),
     }
     return out | {"contrasts": collect_contrasts(out)}
+
+
+def flag_cache_evicted(rows: list[dict], llc_n_bytes: int | None) -> list[dict]:
+    """A decode that ran in turn with other cells while its bytes per step fit in the
+    machine's last-level cache lost that cache to them: flagged, as it would run faster alone."""
+    for r in rows:
+        if llc_n_bytes and r.get("interleave") == "step" and r["bytes_per_token"] <= llc_n_bytes:
+            r["flags"] = [*r["flags"], "cache-evicted"]
+    return rows
 
 
 CONTRAST_KEYS = ("name", "numerator", "denominator", "metric", "ratio", "ci95", "n", "paired")
@@ -84,7 +94,7 @@ def analyze_records(records) -> dict:
     env = (records.header.env if records.header else None) or {}
     return analyze(with_ram_groups(records.measurements, records.of_type(Grouping)),
                    records.models, records.probes, specs, records.rounds, NOISY_CORES,
-                   env.get("ram_total_bytes"))
+                   env.get("ram_total_bytes"), env.get("last_level_cache_bytes"))
 
 
 def with_ram_groups(measurements: list[Measurement], grouping: list[Grouping]
