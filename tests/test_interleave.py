@@ -13,7 +13,7 @@ from harness.analysis.machine import regime_sentences
 from harness.core.rounds import PAIRING_FIELDS, group_by_memory, model_links, split_pairs
 from harness.core.stats import WINDOW_TICKS, contrast, windows
 from harness.engine.llama import Context
-from harness.engine.measure import Cell
+from harness.engine.measure import WARMUP_STEPS, Cell
 from harness.engine.results import RunWriter, read_records
 from harness.engine.scenario import load_scenario
 from harness.report.page import method_text
@@ -193,3 +193,17 @@ def test_a_decode_in_the_last_level_cache_is_flagged_when_it_ran_in_turn():
     flagged = flag_cache_evicted(rows, 32 << 20)
     assert [r["flags"] for r in flagged] == [["cache-evicted"], [], []]
     assert flag_cache_evicted(rows[2:], None)[0]["flags"] == []
+
+
+def test_a_warm_up_decodes_at_most_its_first_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner.noise, "idle_reading", lambda seconds=0.3: 0.0)
+    path = tmp_path / "warm.yaml"
+    path.write_text(TEXT.format(how="step").replace("warmup: 0", "warmup: 1")
+                    .replace("generate: 16", f"generate: {WARMUP_STEPS + 8}"))
+    with RunWriter(tmp_path / "run", resume=False) as writer:
+        run_scenario(load_scenario(path, 1), writer, {}, console=QUIET)
+    records = read_records(tmp_path / "run" / "results.jsonl")
+    for m in records.measurements:
+        assert [len(d) for d in m.warmup_samples["decode_s"]] == [WARMUP_STEPS]
+        assert [len(d) for d in m.samples["decode_s"]] == [WARMUP_STEPS + 8] * 2
+    assert f"the first {WARMUP_STEPS} decode steps" in method_text(records)

@@ -23,6 +23,10 @@ from .scenario import Measurement
 
 FIRST_TOKEN = 259  # skip <unk>, <s>, </s> and the byte tokens: random "text" ids only
 REUSE_METHODS = ("seq_copy", "state_restore")
+# A warm-up runs the prompt and at most this many decode steps: each step reads every weight,
+# so one already touches the pages, builds the graph and wakes the threads; more only spend
+# the run's budget (a depth cell's warm-up stays whole, its baseline beside it).
+WARMUP_STEPS = 16
 
 
 def now_iso() -> str:
@@ -60,7 +64,8 @@ class Cell:
             self.setup["flash_attn_used"] = self.ctx.flash_attn_used
             # llama.cpp clamps n_batch and n_ubatch to the context: what the prompt ran in
             self.setup |= {"n_batch_used": self.ctx.n_batch, "n_ubatch_used": self.ctx.n_ubatch}
-            self.warmups = [_exhaust(self._repetition(0)) for _ in range(m.settings.warmup)]
+            self.warmups = [_exhaust(self._repetition(0, WARMUP_STEPS))
+                            for _ in range(m.settings.warmup)]
         except MeasurementError as exc:
             self.close()
             raise _named(exc, m) from None
@@ -174,7 +179,8 @@ def _single(ctx, m: Measurement, rng):
     if m.depth:
         setup["depth_fill_s"] = ctx.prefill(_tokens(rng, ctx.n_vocab, m.depth))
 
-    def repetition(round_index: int) -> Generator[None, None, dict]:
+    def repetition(round_index: int, n_steps: int | None = None
+                   ) -> Generator[None, None, dict]:
         out = {}
         baseline_first = round_index % 2 == 0  # ABBA: the pair's order alternates by round
         if m.depth and baseline_first:
@@ -189,13 +195,13 @@ def _single(ctx, m: Measurement, rng):
         decode_s = []
         if gen and not m.depth:  # a depth cell's decode stays beside its baseline, whole
             yield
-            for token in gen:
+            for token in gen[:n_steps]:
                 decode_s += ctx.decode([token])
                 yield
         elif gen:
             decode_s = ctx.decode(gen)
         perf = asdict(ctx.perf())
-        n_cached = m.depth + m.n_prompt + m.n_gen
+        n_cached = m.depth + m.n_prompt + len(decode_s)
         _expect_cached(ctx, 0, n_cached, "after the repetition")
         if m.depth and not baseline_first:
             out["baseline_decode_s"] = _baseline(ctx, m, prompt, gen)
@@ -222,16 +228,17 @@ def _batched(ctx, m: Measurement, rng):
     prompts = [_tokens(rng, ctx.n_vocab, m.n_prompt) for _ in range(m.parallel)]
     steps = _tokens(rng, ctx.n_vocab, (m.n_gen, m.parallel))
 
-    def repetition(round_index: int) -> Generator[None, None, dict]:
+    def repetition(round_index: int, n_steps: int | None = None
+                   ) -> Generator[None, None, dict]:
         ctx.clear()
         prefill_s = ctx.prefill_seqs(prompts) if m.n_prompt else None
         decode_s = []
         yield
-        for k, step in enumerate(steps):
+        for k, step in enumerate(steps[:n_steps]):
             decode_s += ctx.decode_parallel([step], m.n_prompt + k)
             yield
         for seq in (0, m.parallel - 1):
-            _expect_cached(ctx, seq, m.n_prompt + m.n_gen, "after the batched decode")
+            _expect_cached(ctx, seq, m.n_prompt + len(decode_s), "after the batched decode")
         return {"prefill_s": prefill_s, "decode_s": decode_s, "perf": asdict(ctx.perf())}
 
     return {}, repetition
@@ -247,7 +254,8 @@ def _prefix_cache(ctx, m: Measurement, rng):
     state = ctx.save_seq(0)
     n_prefix = m.shared_prefix
 
-    def repetition(round_index: int) -> Generator[None, None, dict]:
+    def repetition(round_index: int, n_steps: int | None = None
+                   ) -> Generator[None, None, dict]:
         ctx.clear()
         recompute_s = ctx.prefill(prefix + question)
         ctx.trim(0, n_prefix)

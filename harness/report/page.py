@@ -557,8 +557,12 @@ def _cache_sentence(ms: list[Measurement]) -> str:
             + (f"{prefix} prefix cell{'s' if prefix != 1 else ''} keep their cached prefix"
                if prefix else "") + (")" if depth or prefix else "") + "; ")
     one = warmups == [1]
+    short = sorted({len(d) for m in ms for d in (m.warmup_samples.get("decode_s") or [])
+                    if len(d) < m.n_gen})
+    work = (f"the prompt and the first {'–'.join(map(str, short))} decode steps (each step "
+            "reads every weight)" if short else "the full work")
     text += (f"{'–'.join(map(str, warmups))} warm-up repetition{'' if one else 's'} per cell "
-             f"{'does' if one else 'do'} the full work and {'is' if one else 'are'} kept out "
+             f"{'does' if one else 'do'} {work} and {'is' if one else 'are'} kept out "
              "of the statistics." if warmups else "")
     return text
 
