@@ -274,3 +274,19 @@ def test_cache_dir_that_is_a_file_is_refused(tmp_path):
     f.write_text("x")
     with pytest.raises(HarnessError, match="cache directory is not writable"):
         build(resolve_spec("tiny-qwen2"), DTYPES["f32"], directory=f)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_the_fast_tensor_header_reads_what_gguf_py_reads(name, tmp_path):
+    from harness.weights.gguf_inspect import TensorEntry, tensor_table
+
+    path = build(resolve_spec(name), DTYPES["q8_0"]).path
+    reader = GGUFReader(path)
+    assert tensor_table(path) == [
+        TensorEntry(t.name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name,
+                    int(t.n_bytes)) for t in reader.tensors]
+    assert tensor_data_span(path)[0] == min(int(t.data_offset) for t in reader.tensors)
+    cut = tmp_path / "cut.gguf"  # a header that ends inside the vocabulary
+    cut.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(HarnessError, match="cannot read the GGUF file"):
+        tensor_table(cut)

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, Keys
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys
 
 from ..core.costs import TensorEntry
 from ..core.dtypes import DTYPES, DType
@@ -183,9 +183,91 @@ def tensor_table(path: Path) -> list[TensorEntry]:
 
 @functools.lru_cache(maxsize=64)
 def _tensor_table(file_key: tuple) -> tuple[TensorEntry, ...]:
-    reader = open_gguf(Path(file_key[0]))
-    return tuple(TensorEntry(t.name, tuple(int(x) for x in reversed(t.shape)),
-                             t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors)
+    return _tensor_header(file_key)[0]
+
+
+# The sizes of GGUF's scalar value types (gguf-py's GGUFValueType): 8 is a string, 9 an array.
+_SCALAR_N_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_header(file_key: tuple) -> tuple[tuple[TensorEntry, ...], int]:
+    """The tensor infos of a GGUF file and where its tensor data starts, read past the
+    key-value pairs without decoding them (gguf-py decodes a 150k-token vocabulary into numpy
+    views: 10-20 s a file); a header that ends early is refused as gguf-py's would be."""
+    path = Path(file_key[0])
+    if path.exists() and not path.is_file():  # a FIFO or a device would block
+        raise HarnessError("not a regular file", source=str(path), fix="pass a .gguf file")
+    try:
+        return _read_tensor_header(path)
+    except (ValueError, OSError, KeyError, OverflowError, MemoryError, struct.error) as exc:
+        raise HarnessError(f"cannot read the GGUF file ({str(exc)[:120]})", source=str(path),
+                           fix="pass a complete GGUF file") from None
+
+
+def _read_tensor_header(path: Path) -> tuple[tuple[TensorEntry, ...], int]:
+    with open(path, "rb") as f:
+        head = _Cursor(f)
+        if head.take(4) != GGUF_MAGIC:
+            raise HarnessError("not a GGUF file", source=str(path), fix="pass a .gguf file")
+        _, n_tensors, n_kv = head.unpack("<IQQ")
+        alignment = 32  # GGUF's default (general.alignment overrides it)
+        for _ in range(n_kv):
+            key = head.string()
+            kind = head.unpack("<I")[0]
+            value = head.skip_value(kind)
+            if key == "general.alignment" and isinstance(value, int):
+                alignment = value
+        tensors, offsets = [], []
+        for _ in range(n_tensors):
+            name = head.string()
+            dims = head.unpack(f"<{head.unpack('<I')[0]}Q")
+            ggml_type, offset = head.unpack("<IQ")
+            block, type_n_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            tensors.append(TensorEntry(name, tuple(int(d) for d in reversed(dims)),
+                                       GGMLQuantizationType(ggml_type).name,
+                                       n // block * type_n_bytes))
+            offsets.append(offset)
+        data_start = -(-head.position // alignment) * alignment
+    return tuple(tensors), data_start + min(offsets, default=0)
+
+
+class _Cursor:
+    """Sequential reads of a file's header, strings and arrays skipped by their lengths."""
+
+    def __init__(self, f) -> None:
+        self.f, self.position = f, 0
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise struct.error("the header ends early")
+        self.position += n
+        return data
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def string(self) -> str:
+        return self.take(self.unpack("<Q")[0]).decode("utf-8", "replace")
+
+    def skip_value(self, kind: int):
+        """The value when a scalar or a string, else None (an array, skipped)."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.unpack("<IQ")
+            if item in _SCALAR_N_BYTES:
+                self.f.seek(count * _SCALAR_N_BYTES[item], 1)
+                self.position += count * _SCALAR_N_BYTES[item]
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+            return None
+        data = self.take(_SCALAR_N_BYTES[kind])
+        return int.from_bytes(data, "little") if kind in (0, 2, 4, 10) else None
 
 
 
@@ -210,6 +292,5 @@ def identical_weights(path: Path) -> list[tuple[str, str]]:
 
 def tensor_data_span(path: Path) -> tuple[int, int]:
     """Where a GGUF file's tensor data starts, and its bytes to the end of the file."""
-    reader = open_gguf(path)
-    start = min((int(t.data_offset) for t in reader.tensors), default=0)
+    start = _tensor_header(_file_key(path))[1]
     return start, path.stat().st_size - start
