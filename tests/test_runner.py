@@ -299,6 +299,7 @@ def test_cli_run_writes_results_and_summary(run_cli, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.stderr
     # findings first, one line per cell, in 100 columns; the wide tables in the report
     assert r.stdout.startswith("Findings\n") and "tiny-llama f32 t1 pp8+tg16" in r.stdout
+    assert "decode of tiny-llama t1: q8_0 ÷ f32" in r.stdout  # its contrasts, one line each
     assert max(len(line) for line in r.stdout.splitlines() if str(tmp_path) not in line) <= 100
     assert r.stdout.strip().endswith(str(out))
     again = run_cli("run", str(SCENARIO), "--out", str(out))

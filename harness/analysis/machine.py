@@ -3,6 +3,8 @@ steady it was, and what the probes could not measure. Pure functions of the stor
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..core.records import Measurement, Probe, Round
 from ..core.stats import center, summarize
 from .ceilings import probe_figure
@@ -75,12 +77,14 @@ def regime_sentences(rows: list[dict]) -> list[str]:
     long the machine kept to one (steps, and seconds of the rotation they ran in)."""
     tick_s = sum(1 / center(r["tok_s"]) for r in rows if r.get("interleave") == "step")
     out = []
+    seen = Counter((r["model"], r["dtype"]) for r in rows)
     for r in rows:
         reg = r.get("regimes") or {}
         if reg.get("n") != 2:
             continue
+        steps = f" ({r['n_gen']} steps)" if seen[(r["model"], r["dtype"])] > 1 else ""
         step_s = tick_s if r.get("interleave") == "step" else 1 / center(r["tok_s"])
-        out.append(f"{r['model']} {r['dtype']} about {_ms(reg['ms'][0])} and "
+        out.append(f"{r['model']} {r['dtype']}{steps} about {_ms(reg['ms'][0])} and "
                    f"{_ms(reg['ms'][1])} ms per step ({reg['slow_share']:.0%} of its steps at "
                    f"the slower; a speed held ≈{reg['mean_run_steps'] * step_s:.2g} s, "
                    f"{reg['mean_run_steps']:.0f} steps, on average)")

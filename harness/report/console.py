@@ -26,6 +26,12 @@ def render_console(measurements: list[Measurement], analysis: dict) -> str:
     width = max(len(_label(m)) for m in measurements)
     lines += [f"{_label(m):<{width}}  {_figures(m)}" for m in measurements]
     lines += [f"  {e}" for e in _errors(analysis)]
+    named = [c for c in analysis.get("contrasts") or [] if c.get("name")]
+    if named:
+        lines += ["", "Contrasts (ratio [95% interval]; unpaired: never ran together)"]
+        for c in named:
+            lines += textwrap.wrap(f"{_ratio(c):<22} {c['name']}", WIDTH,
+                                   subsequent_indent=" " * 23)
     return "\n".join(line[:WIDTH] if len(line) > WIDTH else line for line in lines)
 
 
@@ -41,6 +47,12 @@ def _figures(m: Measurement) -> str:
             parts.append(f"{name} {_short(mid)}" + (f" [{_short(ci[0])}–{_short(ci[1])}]"
                                                     if ci else ""))
     return "  ".join(parts) + f"  (n {m.repetitions})"
+
+
+def _ratio(c: dict) -> str:
+    ci = c.get("ci95")
+    text = f"{c['ratio']:.3f}" + (f" [{ci[0]:.3f}–{ci[1]:.3f}]" if ci else "")
+    return text + ("" if c.get("paired", True) else " unpaired")
 
 
 def _short(x: float) -> str:
