@@ -621,14 +621,17 @@ def _probe_sentence(probes: list[Probe]) -> str:
         text += (f", and {len(beside)} beside the cells, one before each round, of the thread "
                  "counts and tensor types that round needs"
                  + (f" ({passes[0]}–{passes[-1]} passes each)" if passes else ""))
-    if rotation := sorted({p.round for p in probes if p.when == "rotation" and p.result}):
+    rotation = sorted({p.round for p in probes if p.when == "rotation" and p.result})
+    if rotation:
         text += (f"; in {len(rotation)} round{'s' if len(rotation) != 1 else ''}, one streaming "
                  "pass of each tensor type after every tick of the decode steps, so a decode's "
                  "share of its ceiling is taken window by window against the passes beside it")
     return text + (". A ceiling is the median of its probes' passes, the statistic a "
                    "repetition is compared with" + (
-                       ", and a share is taken round by round: a repetition ÷ the ceiling "
-                       "probed before its round." if beside else
+                       (", and any other share is taken round by round: a repetition ÷ the "
+                        "ceiling probed before its round." if rotation else
+                        ", and a share is taken round by round: a repetition ÷ the ceiling "
+                        "probed before its round.") if beside else
                        "; each share is a median ÷ the ceilings nearest it."))
 
 
