@@ -192,7 +192,7 @@ def _rotation_result(threads: int, by_type: dict[str, list]) -> dict:
     """A rotation probe's result in the shape of the others': per type its passes in tick
     order (None where a pass failed), the best of them as the figure."""
     ggml = {d: {"stream_gb_s": max((x for x in xs if x), default=None),
-                "stream_samples_gb_s": xs, "by_tick": True} for d, xs in by_type.items()}
+                "stream_samples_gb_s": xs} for d, xs in by_type.items()}
     return {"passes": {"stream": 1}, "threads": {str(threads): {"ggml": ggml}}}
 
 
@@ -473,7 +473,8 @@ class _Rounds:
                 if step:  # its decode waits for the others' prompts, then runs in turn
                     live.append((m, steps))
                     break
-        tick = self.prober.rotation(round_index, self._stream_needs([m for m, _ in live]))
+        needs = self._needs([m for m, _ in live])  # cells that decode: their types streamed
+        tick = self.prober.rotation(round_index, {t: d for t, (d, _) in needs.items()})
         while live:  # one decode step of each cell in turn, then the probe's, again and again
             live = [(m, steps) for m, steps in live if self._advance(m, steps)]
             if live:
@@ -507,13 +508,6 @@ class _Rounds:
         cell = self.group.drop(m)
         if cell:
             cell.close()
-
-    def _stream_needs(self, decoding: list[Measurement]) -> dict[int, set[str]]:
-        """Per thread count, the tensor types the decoding cells read."""
-        needs: dict[int, set[str]] = {}
-        for m in decoding:
-            needs.setdefault(m.settings.threads, set()).update(self.group.files[m.model.key][1])
-        return needs
 
     def _needs(self, active: list[Measurement]) -> dict[int, tuple[set, set]]:
         """Per thread count, the tensor types and phases the round's cells need probed."""

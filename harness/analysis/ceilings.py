@@ -84,12 +84,18 @@ def combined_ceiling(weights: dict[str, float], probes: list[Probe],
         return {"value": None, "spread": None, "missing": missing,
                 "reason": f"no ggml ceiling for {', '.join(missing)} at {threads} threads"}
     times = {t: w / per[t]["value"] for t, w in weights.items()}
-    total_time = sum(times.values())
     spreads = [(times[t], per[t]["spread"]) for t in weights if per[t]["spread"] is not None]
     spread = (sum(w * s for w, s in spreads) / sum(w for w, _ in spreads)) if spreads else None
-    return {"value": sum(weights.values()) / total_time, "spread": spread, "missing": [],
+    return {"value": mixed_ceiling(weights, {t: per[t]["value"] for t in weights}),
+            "spread": spread, "missing": [],
             "by_type": {t: per[t]["value"] for t in weights},
             "layouts": {t: per[t]["layout"] for t in weights}}
+
+
+def mixed_ceiling(weights: dict[str, float], ceilings: dict[str, float]) -> float:
+    """The ceiling of a mix of types: total ÷ Σ (weight of t ÷ ceiling of t), as the time to
+    read (or compute) each type's share adds up."""
+    return sum(weights.values()) / sum(w / ceilings[t] for t, w in weights.items())
 
 
 def round_shares(m: Measurement, phase: str, weights: dict, probes: list[Probe], what: str,
@@ -133,16 +139,15 @@ def window_shares(m: Measurement, weights: dict, probes: list[Probe], per_rate: 
 def _ticks_ceiling(probe: Probe, weights: dict, threads: int, window: int) -> float | None:
     """A window's streaming ceiling over the model's mix of types (time adds up over them)."""
     ggml = probe.result["threads"].get(str(threads), {}).get("ggml", {})
-    total_s = 0.0
-    for dtype, n in weights.items():
-        if n <= 0:
-            continue
+    weights = {t: n for t, n in weights.items() if n > 0}
+    ceilings = {}
+    for dtype in weights:
         ticks = (ggml.get(dtype) or {}).get("stream_samples_gb_s") or []
         passes = [x for x in ticks[window * WINDOW_TICKS:(window + 1) * WINDOW_TICKS] if x]
         if not passes:
             return None  # a type without a pass there: missing, never guessed
-        total_s += n / log_median(passes)
-    return sum(n for n in weights.values() if n > 0) / total_s if total_s else None
+        ceilings[dtype] = log_median(passes)
+    return mixed_ceiling(weights, ceilings) if weights else None
 
 
 STEP_REGIME_GAP = 0.15  # two step speeds at least 15% apart

@@ -32,7 +32,7 @@ def render_console(measurements: list[Measurement], analysis: dict) -> str:
         for c in named:
             lines += textwrap.wrap(f"{_ratio(c):<22} {c['name']}", WIDTH,
                                    subsequent_indent=" " * 23)
-    return "\n".join(line[:WIDTH] if len(line) > WIDTH else line for line in lines)
+    return "\n".join(line[:WIDTH] for line in lines)
 
 
 def _label(m: Measurement) -> str:
