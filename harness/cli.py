@@ -661,7 +661,11 @@ def _interruptible(fn):
 @click.option("--lesson/--full", default=None,
               help="The lesson page (findings first, claims checked) or the full report; "
                    "default: the lesson page when the scenario has a reference block.")
-def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> None:
+@click.option("--template", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A Jinja2 template for the lesson page (start from `harness template "
+                   "lesson`); default: the scenario's `template:`, else the built-in one.")
+def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None,
+           template: Path | None) -> None:
     """Re-render the report of a run (also of an interrupted one) from its stored results."""
     from .report.files import load_run, write_report
     from .serving import load_serving_run, rerender_serving
@@ -673,8 +677,20 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None) -> No
         click.echo(str(rerender_serving(run_dir, out)))
         return
 
+    if template is not None and not template.is_file():
+        raise HarnessError("no template file here", source=str(template), key="--template",
+                           fix="print a built-in one with `harness template lesson > FILE`")
     directory, records = load_run(run_dir)
-    click.echo(str(write_report(directory, records, out, fmt, lesson)))
+    click.echo(str(write_report(directory, records, out, fmt, lesson, template=template)))
+
+
+@cli.command()
+@click.argument("name")
+def template(name: str) -> None:
+    """Print a built-in page template (lesson, full) to start a course page of your own."""
+    from .report.templating import template_text
+
+    click.echo(template_text(name), nl=False)
 
 
 @cli.command()

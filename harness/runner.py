@@ -586,7 +586,8 @@ def write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None
         "scenario": {"path": str(scenario.path), "name": scenario.name,
                      "title": scenario.title, "description": scenario.description,
                      "sha256": scenario.sha256, "text": scenario.text,
-                     "reference": scenario.reference},
+                     "reference": scenario.reference,
+                     **({"template": scenario.template} if scenario.template else {})},
         "plan": [m.id for m in scenario.measurements], "env": env,
     }, argv or sys.argv)
 

@@ -34,7 +34,7 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "target", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
-             "mmap", "interleave", "tests"]
+             "mmap", "interleave", "template", "tests"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
               "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
 # Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
@@ -212,6 +212,7 @@ class Scenario:
     target: str = "contrasts"  # what target_ci applies to: "contrasts" or "absolute"
     mmap: bool = True  # models read from the mapped file (llama.cpp's default) or copied in
     interleave: str = "step"  # decode steps of a round's cells in turn, or whole repetitions
+    template: str | None = None  # the page's Jinja2 template, beside the scenario file
 
     @property
     def sha256(self) -> str:
@@ -249,7 +250,29 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         target=_choice(doc, data, "target", TARGETS),
         mmap=want_bool(doc, ("mmap",), data.get("mmap", True)),
         interleave=_choice(doc, data, "interleave", INTERLEAVES),
+        template=_template(doc, data, path) if "template" in data else None,
     )
+
+
+def _template(doc: Doc, data: dict, path: Path) -> str:
+    """The page template a scenario names: a file (relative to the scenario's folder) whose
+    Jinja2 syntax parses; its names are checked when the page renders."""
+    import jinja2
+
+    name = want_str(doc, ("template",), data["template"])
+    file = path.parent / name
+    if not file.is_file():
+        raise doc.error(("template",), f"no template file at {file}",
+                        fix="name a file beside the scenario, e.g. one printed by "
+                            "`harness template lesson`")
+    try:
+        jinja2.Environment().parse(file.read_text(encoding="utf-8"))
+    except (jinja2.TemplateSyntaxError, UnicodeDecodeError) as exc:
+        line = getattr(exc, "lineno", None)
+        raise doc.error(("template",), f"{file}{f':{line}' if line else ''}: the template does "
+                        f"not parse ({getattr(exc, 'message', exc)})",
+                        fix="fix its Jinja2 syntax") from None
+    return str(file)
 
 
 TARGETS = ("contrasts", "absolute")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from ..core.errors import HarnessError
@@ -31,11 +33,16 @@ def analysis_of(records) -> dict:
     return analyze_records(records)
 
 
+FULL_REPORT = "full.md"
+
+
 def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
-                 lesson: bool | None = None, analysis: dict | None = None) -> Path:
+                 lesson: bool | None = None, analysis: dict | None = None,
+                 template: Path | None = None) -> Path:
     """Render a run's report (with plots for markdown) and write it; returns the path. A run
-    of a scenario with a `reference:` block (or lesson=True) gets the lesson page; analysis:
-    the records' analysis when the caller has just computed it."""
+    of a scenario with a `reference:` block (or lesson=True) gets the course page, through
+    the lesson template (or `template`, or the scenario's own), and its full report beside it
+    (full.md); analysis: the records' analysis when the caller has just computed it."""
     from ..core.reference import reference_from_header
 
     analysis = analysis if analysis is not None else analysis_of(records)
@@ -43,27 +50,46 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     reference = reference_from_header(records.header)
     as_lesson = lesson if lesson is not None else reference is not None
     out = out or run_dir / f"report.{fmt}"
-    if fmt == "md":
-        from .plots import write_plots
+    if fmt != "md":
+        write_text_atomically(out, render_csv(data) if fmt == "csv" else render_json(data))
+        return out
+    if not as_lesson:
+        write_text_atomically(out, render_markdown(data, _write_plots(records, analysis,
+                                                                      out.parent, reference)))
+        return out
+    from .course import course_page, page_plots
+    from .lesson import lesson_data, render_lesson
+    from .templating import render
 
-        try:
-            plots = write_plots(records.measurements, analysis, out.parent, reference)
-        except OSError as exc:
-            raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out.parent),
-                               fix="choose a writable place with -o, or free some disk"
-                               ) from None
-        if as_lesson:
-            from .lesson import lesson_data, render_lesson
-
-            text = render_lesson(lesson_data(records, analysis, reference), plots)
-        else:
-            text = render_markdown(data, plots)
-        write_text_atomically(out, text)
-    elif fmt == "csv":
-        write_text_atomically(out, render_csv(data))
-    else:
-        write_text_atomically(out, render_json(data))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the plots are drawn aside until the page renders: a bad template writes nothing
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".plots-") as aside:
+        plots = _write_plots(records, analysis, Path(aside), reference)
+        page = course_page(records, analysis, reference, page_plots(records, analysis, plots),
+                           FULL_REPORT)
+        text = render(template or scenario_template(records.header) or "lesson", page)
+        full = render_lesson(lesson_data(records, analysis, reference), plots)
+        for drawn in Path(aside).iterdir():
+            os.replace(drawn, out.parent / drawn.name)
+    write_text_atomically(out.parent / FULL_REPORT, full)
+    write_text_atomically(out, text)
     return out
+
+
+def _write_plots(records, analysis: dict, out_dir: Path, reference: dict | None) -> list[str]:
+    from .plots import write_plots
+
+    try:
+        return write_plots(records.measurements, analysis, out_dir, reference)
+    except OSError as exc:
+        raise HarnessError(f"cannot write plots: {exc.strerror}", source=str(out_dir),
+                           fix="choose a writable place with -o, or free some disk") from None
+
+
+def scenario_template(header) -> Path | None:
+    """The template file a run's scenario names (`template:`), or None."""
+    name = ((header.scenario if header else None) or {}).get("template")
+    return Path(name) if name else None
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:

@@ -8,6 +8,7 @@ on this machine, estimates, and the diagnostics last. Every sentence is computed
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ..core.records import to_dict
 from ..core.stats import center, inverse
@@ -284,44 +285,74 @@ def claims_table(data: dict) -> Table | None:
 
 # --- the page ------------------------------------------------------------------------------
 
-def render_lesson(data: dict, plots: list[str] | None = None) -> str:
-    """The lesson page as markdown; plots are relative file names."""
+@dataclass(frozen=True)
+class Section:
+    """One part of the full report: its name (for a template to pick) and its markdown."""
+
+    name: str
+    markdown: str
+
+
+@dataclass(frozen=True)
+class FullPage:
+    """The full report as named sections, rendered by templates/full.md.j2."""
+
+    title: str
+    sections: tuple[Section, ...]
+
+
+def full_sections(data: dict, plots: list[str] | None = None) -> FullPage:
+    """The full report of a lesson run, section by section; plots are relative file names."""
     s, env = data["scenario"], data["env"]
     plots = [p for p in plots or [] if p.rsplit(".", 1)[0] in PLOT_CAPTIONS]
-    out = [f"# {s.get('title') or s.get('name', 'Run')}", ""]
-    if s.get("description"):
-        out += [s["description"].strip(), ""]
-    out += [f"Measured {(data['created'] or '')[:10]} on {env.get('cpu_model')} "
-            f"({env.get('physical_cores')} cores) with llama.cpp "
-            f"{(env.get('llama') or {}).get('ggml_commit')}.", ""]
-    out += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}" for f in
-            data["failures"]]
-    out += ["## Findings", ""] + [f"- {line}" for line in findings(data)] + [""]
+    head = [s["description"].strip(), ""] if s.get("description") else []
+    head += [f"Measured {(data['created'] or '')[:10]} on {env.get('cpu_model')} "
+             f"({env.get('physical_cores')} cores) with llama.cpp "
+             f"{(env.get('llama') or {}).get('ggml_commit')}.", ""]
+    head += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}" for f in
+             data["failures"]]
+    out = [Section("intro", _join(head)),
+           Section("findings", _join(["## Findings", ""]
+                                     + [f"- {line}" for line in findings(data)] + [""]))]
     a = data["analysis"]
-    sections = [(side_by_side(data), "prefill_vs_prompt"),
-                (next(iter(prefill_model_table(a)), None), None),
-                (size_table(data), "decode_vs_bytes"),
-                (next(iter(decode_model_table(a)), None), "quant_speedup"),
-                (use_table(data), None), (figures_table(data), None),
-                (workloads_of_main(data), None), (claims_table(data), "batching")]
-    for table, plot in sections:
-        if table is None:
-            continue
-        out += [unbreakable(markdown_table(table).replace("### ", "## ", 1)), ""]
-        out += _plot(plot, plots)
-    out += twin_section(a) + _plot("twins", plots)
+    tables = [(side_by_side(data), "prefill_vs_prompt"),
+              (next(iter(prefill_model_table(a)), None), None),
+              (size_table(data), "decode_vs_bytes"),
+              (next(iter(decode_model_table(a)), None), "quant_speedup"),
+              (use_table(data), None), (figures_table(data), None),
+              (workloads_of_main(data), None), (claims_table(data), "batching")]
+    for table, plot in tables:
+        if table is not None:
+            out.append(Section(table.name, _join(
+                [unbreakable(markdown_table(table).replace("### ", "## ", 1)), ""]
+                + _plot(plot, plots))))
+    out.append(Section("twins", _join(twin_section(a) + _plot("twins", plots))))
     est = estimates_table(data["analysis"])
     if est:
         head, _, rest = unbreakable(markdown_table(est[0])).partition("\n")
-        out += ["## Your machine against others (estimates: decode tok/s)", rest, ""]
-    out += ["## Method", "", method_text(data["records"]), "", "## Environment", "",
-            *env_lines(env), "",
-            "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", ""]
-    out += ["## Appendix: diagnostics", ""]
+        out.append(Section("estimates", _join(
+            ["## Your machine against others (estimates: decode tok/s)", rest, ""])))
+    out += [Section("method", _join(["## Method", "", method_text(data["records"]), ""])),
+            Section("environment", _join(["## Environment", "", *env_lines(env), ""])),
+            Section("reproduce", _join(["## Reproduce", "", "```sh",
+                                        f"harness run {s.get('path', 'SCENARIO')}", "```",
+                                        ""]))]
+    appendix = ["## Appendix: diagnostics", ""]
     for table in (ceilings_table(data["analysis"]), repetitions_table(data["measurements"])):
-        out += [markdown_table(table), ""]
-    out += _plot("decode_per_token", plots)
-    return "\n".join(out)
+        appendix += [markdown_table(table), ""]
+    out.append(Section("diagnostics", _join(appendix + _plot("decode_per_token", plots))))
+    return FullPage(f"{s.get('title') or s.get('name', 'Run')}: the full report", tuple(out))
+
+
+def _join(lines: list[str]) -> str:
+    return "\n".join(lines)
+
+
+def render_lesson(data: dict, plots: list[str] | None = None) -> str:
+    """The full report of a lesson run as markdown, through the built-in `full` template."""
+    from .templating import render
+
+    return render("full", full_sections(data, plots))
 
 
 def twin_section(a: dict) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from ..analysis.ceilings import is_plain
@@ -39,9 +40,10 @@ def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
     grid = [min(xs_all) * 0.7 * (max(xs_all) * 1.4 / (min(xs_all) * 0.7)) ** (i / 99)
             for i in range(100)]
     for d in analysis["machine_model"]["decode"]:
-        if not d.get("gb_s") or d["dtype"] not in colors:
+        # a line through one size states nothing the point does not
+        if not d.get("gb_s") or d["dtype"] not in colors or len(d["models"]) < 2:
             continue
-        fixed = sum(d["fixed_s"].values()) / len(d["fixed_s"])
+        fixed = statistics.median(d["fixed_s"].values())
         gb_s = center(d["gb_s"])
         ax.plot(grid, [1 / (fixed + x / gb_s) for x in grid], color=colors[d["dtype"]], lw=1.5,
                 alpha=0.8, label=f"{d['dtype'].upper()} model: {fixed * 1e3:.2f} ms + GB ÷ "
@@ -54,11 +56,23 @@ def decode_vs_bytes(analysis: dict, out_dir: Path, reference: dict | None = None
     plain_log_y(ax)
     ax.set_xlabel("GB read per decode step (10⁹ bytes, log scale)")
     ax.set_ylabel("decode tokens/s (log scale)")
-    ax.set_title("Decode speed against bytes read per token: one line per weight type",
-                 fontsize=10)
+    ax.set_title(decode_finding(analysis), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return save(fig, out_dir, "decode_vs_bytes")
+
+
+def decode_finding(analysis: dict) -> str:
+    """The plot's title: how closely one line (fixed cost + bytes ÷ bandwidth) fits the sizes."""
+    fits = [d for d in analysis["machine_model"]["decode"] if d.get("gb_s")
+            and len(d["models"]) >= 2]
+    if not fits:
+        return "Decode speed against bytes read per token"
+    d = max(fits, key=lambda d: len(d["models"]))
+    worst = max(abs(r["measured_over_model"] - 1) for r in d["residuals"])
+    return (f"Decode slows with the bytes read per token: {len(d['models'])} {d['dtype'].upper()} "
+            f"models within {worst:.0%} of {statistics.median(d['fixed_s'].values()) * 1e3:.2f} "
+            f"ms + GB ÷ {center(d['gb_s']):.1f} GB/s")
 
 
 def _published_points(reference: dict | None) -> list[tuple[float, float, str]]:
@@ -74,6 +88,23 @@ def _published_points(reference: dict | None) -> list[tuple[float, float, str]]:
     return out
 
 
+def prefill_finding(measurements: list[Measurement]) -> str:
+    """The plot's title: a decoded token's time in prompt tokens' (the fewest over the models
+    drawn, each at its shortest prompt)."""
+    rows = [m for m in measurements if m.n_gen == 0 and m.prefill_tok_s and is_plain(m)]
+    ratios = []
+    for key in sorted({(m.model, m.dtype, m.threads) for m in rows}):
+        group = sorted((m for m in rows if (m.model, m.dtype, m.threads) == key),
+                       key=lambda m: m.n_prompt)
+        dec = [m for m in measurements if m.n_gen and is_plain(m) and m.decode_tok_s
+               and (m.model, m.dtype, m.threads) == key]
+        if len(group) >= 2 and dec:
+            ratios.append(center(group[0].prefill_tok_s) / center(dec[0].decode_tok_s))
+    if not ratios:
+        return "Prefill against prompt length, beside decode"
+    return f"A decoded token costs {min(ratios):.0f}× a prompt token's time"
+
+
 def prefill_vs_prompt(measurements: list[Measurement], out_dir: Path) -> str | None:
     """Time per token of prefill at each prompt length, with the same model's decode as a
     line: both phases on one log-log axis, error bars from the medians' CIs."""
@@ -81,7 +112,6 @@ def prefill_vs_prompt(measurements: list[Measurement], out_dir: Path) -> str | N
     if len({m.n_prompt for m in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    ratios = []
     for key in sorted({(m.model, m.dtype, m.threads) for m in rows}):
         group = sorted((m for m in rows if (m.model, m.dtype, m.threads) == key),
                        key=lambda m: m.n_prompt)
@@ -99,15 +129,11 @@ def prefill_vs_prompt(measurements: list[Measurement], out_dir: Path) -> str | N
             d_ms = 1000 / center(dec[0].decode_tok_s)
             ax.axhline(d_ms, ls="--", color=line.get_color(),
                        label=f"{key[0]} {key[1]}: decode, {d_ms:.0f} ms per token")
-            ratios.append(d_ms / ms[0])
     plain_log2(ax)
     plain_log_y(ax)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("ms per token (log scale)")
-    title = "Prefill against prompt length, beside decode"
-    if ratios:
-        title = f"A decoded token costs {min(ratios):.0f}× a prompt token's time"
-    ax.set_title(title, fontsize=10)
+    ax.set_title(prefill_finding(measurements), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return save(fig, out_dir, "prefill_vs_prompt")
