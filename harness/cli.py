@@ -661,11 +661,12 @@ def _interruptible(fn):
 @click.option("--lesson/--full", default=None,
               help="The lesson page (findings first, claims checked) or the full report; "
                    "default: the lesson page when the scenario has a reference block.")
-@click.option("--template", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="A Jinja2 template for the lesson page (start from `harness template "
-                   "lesson`); default: the scenario's `template:`, else the built-in one.")
+@click.option("--template", default=None,
+              help="A built-in page (lesson, full, or a lever's: experts, quant, kv_depth, "
+                   "batching, threads, prefix, twins) or a Jinja2 template file (start from "
+                   "`harness template lesson`); default: the scenario's `template:`.")
 def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None,
-           template: Path | None) -> None:
+           template: str | None) -> None:
     """Re-render the report of a run (also of an interrupted one) from its stored results."""
     from .report.files import load_run, write_report
     from .serving import load_serving_run, rerender_serving
@@ -677,9 +678,12 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None,
         click.echo(str(rerender_serving(run_dir, out)))
         return
 
-    if template is not None and not template.is_file():
-        raise HarnessError("no template file here", source=str(template), key="--template",
-                           fix="print a built-in one with `harness template lesson > FILE`")
+    from .core.options import PAGE_TEMPLATES
+
+    if template is not None and template not in PAGE_TEMPLATES and not Path(template).is_file():
+        raise HarnessError("no template file here", source=template, key="--template",
+                           fix="name a built-in page (" + ", ".join(PAGE_TEMPLATES) + ") or "
+                               "print one to edit with `harness template lesson > FILE`")
     directory, records = load_run(run_dir)
     click.echo(str(write_report(directory, records, out, fmt, lesson, template=template)))
 
@@ -687,7 +691,8 @@ def report(run_dir: Path, out: Path | None, fmt: str, lesson: bool | None,
 @cli.command()
 @click.argument("name")
 def template(name: str) -> None:
-    """Print a built-in page template (lesson, full) to start a course page of your own."""
+    """Print a built-in page template (lesson, full, or a lever's) to start a page of your
+    own."""
     from .report.templating import template_text
 
     click.echo(template_text(name), nl=False)

@@ -38,6 +38,10 @@ def test_a_committed_page_re_renders_byte_for_byte(run, tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: None)
     out = _rendered(run, tmp_path)
     assert (out / "report.md").read_bytes() == (run / "report.md").read_bytes()
+    # a course page's full report beside it, where the run has one
+    assert (out / "full.md").exists() == (run / "full.md").exists()
+    if (run / "full.md").exists():
+        assert (out / "full.md").read_bytes() == (run / "full.md").read_bytes()
 
 
 @pytest.mark.parametrize("name", ["quick", "serving"])

@@ -70,7 +70,8 @@ def test_no_verdict_sentence_survives_a_flipped_result(tiny):
     more = render("lesson", _flip(page, quant={"predicted_decode": page.quant.bytes_ratio}))
     assert "Decode gained less than the bytes" not in more
     # a claim's verdict and reason are the result's own
-    claims = tuple(Claim(c.claim, c.published, c.measured, "does not hold", f"because {i}")
+    claims = tuple(Claim(c.claim, c.published, c.measured, "does not hold", f"because {i}",
+                         False, "")
                    for i, c in enumerate(page.claims))
     turned = render("lesson", dataclasses.replace(page, claims=claims))
     for old, new in zip(page.claims, claims, strict=True):
@@ -80,7 +81,13 @@ def test_no_verdict_sentence_survives_a_flipped_result(tiny):
     near = tuple(dataclasses.replace(w, beyond=None) for w in page.workloads)
     shown = render("lesson", dataclasses.replace(page, workloads=near))
     assert "not tested †" in base and "not tested" not in shown.split("## The course")[0]
-    assert "It did not run." in render("lesson", _flip(page, pitfalls={"flash_attn": False}))
+    # the time budget's bullet only where the budget stopped measurements
+    budget = "stopped at the run's time budget"
+    assert (budget in base) == bool(page.pitfalls.n_at_budget)
+    assert budget not in render("lesson", _flip(page, pitfalls={"n_at_budget": 0}))
+    assert "3 of 9 measurements stopped at the run's time budget before their intervals " \
+        "reached ±3%" in render("lesson", _flip(page, pitfalls={"n_at_budget": 3, "n_cells": 9,
+                                                                "target": 0.03}))
 
 
 def test_a_template_error_names_the_file_its_line_and_the_name(tiny, tmp_path):
@@ -159,3 +166,47 @@ def test_a_scenario_names_its_template(run_cli, run_copy, tmp_path):
     page.write_text("{% if title %}\n{{ title }\n")
     with pytest.raises(HarnessError, match=r"mine.md.j2:2: the template does not parse"):
         load_scenario(scenario, 2)
+
+
+def test_the_docs_list_every_name_a_template_can_use():
+    from harness.report import course
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "templates.md").read_text()
+    types = [course.CoursePage, course.Provenance, course.Reference, course.TwoPhases,
+             course.PrefillRow, course.DecodeRow, course.Yardstick, course.DecodeModel,
+             course.Quant, course.Batching, course.LongPrompt, course.KvCache, course.Hardware,
+             course.Workload, course.Claim, course.Untested, course.Pitfalls, course.Plot,
+             course.Figure]
+    missing = [f"{t.__name__}.{f.name}" for t in types for f in dataclasses.fields(t)
+               if f"`{f.name}`" not in docs]
+    assert not missing
+    from harness.report.templating import FILTERS
+
+    assert all(f"`{name}" in docs for name in FILTERS)
+
+
+
+def test_a_lever_page_keeps_its_own_tables(run_cli, tmp_path, monkeypatch):
+    from harness.core.options import PAGE_TEMPLATES
+    from harness.levers import LEVERS
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: None)
+    assert set(PAGE_TEMPLATES) == {"lesson", "full"} | {lever.name for lever in LEVERS}
+    for lever in LEVERS:  # each lever's page names its own tables
+        text = template_text(lever.name)
+        assert all(f"'{name}'" in text for name in lever.table_names)
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(RUNS / "tiny_lesson" / "results.jsonl", run / "results.jsonl")
+    assert run_cli("report", str(run), "--full").exit_code == 0
+    full = (run / "report.md").read_text()
+    assert "### Batching: independent sequences decoded together" in full
+    assert "### Repetitions: how each measurement ended" in full
+    result = run_cli("report", str(run), "--template", "batching")
+    assert result.exit_code == 0, result.stderr
+    page = (run / "report.md").read_text()
+    assert "### Batching: independent sequences decoded together" in page
+    assert "### Repetitions" not in page and "## Reproduce" in page
+    missing = run_cli("report", str(run), "--template", "batchin")
+    assert missing.exit_code == 2 and "batchin: --template: no template file here" in \
+        missing.stderr

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..core.cell import CellId
 from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
 from ..core.errors import HarnessError
+from ..core.options import PAGE_TEMPLATES
 from ..core.reference import load_reference
 from ..core.rounds import PAIRING_FIELDS
 from ..core.specs import looks_like_path, resolve_spec
@@ -255,16 +256,20 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
 
 
 def _template(doc: Doc, data: dict, path: Path) -> str:
-    """The page template a scenario names: a file (relative to the scenario's folder) whose
-    Jinja2 syntax parses; its names are checked when the page renders."""
+    """The page template a scenario names: a built-in one, or a file (relative to the
+    scenario's folder) whose Jinja2 syntax parses; its names are checked when the page
+    renders."""
     import jinja2
 
     name = want_str(doc, ("template",), data["template"])
+    if name in PAGE_TEMPLATES:
+        return name
     file = path.parent / name
     if not file.is_file():
         raise doc.error(("template",), f"no template file at {file}",
-                        fix="name a file beside the scenario, e.g. one printed by "
-                            "`harness template lesson`")
+                        fix="name a built-in template (" + ", ".join(PAGE_TEMPLATES) + ") or a "
+                            "file beside the scenario, e.g. one printed by `harness template "
+                            "lesson`")
     try:
         jinja2.Environment().parse(file.read_text(encoding="utf-8"))
     except (jinja2.TemplateSyntaxError, UnicodeDecodeError) as exc:

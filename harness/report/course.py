@@ -64,6 +64,9 @@ class TwoPhases:
     prefill_stream_share: float | None
     decode_compute_share: float | None
     decode_stream_share: float | None
+    n_ubatch: int
+    prefill_compute_ci: Figure | None
+    decode_stream_ci: Figure | None
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,18 @@ class PrefillRow:
     ms_per_token: Figure
     published_s: float | None
     published_tok_s: float | None
+    gflop_s: float | None
+    published_gflop_s: float | None  # the published tok/s × this prompt's FLOPs per token
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Where the published figures come from."""
+
+    source: str
+    hardware: str
+    cores: int | None
+    memory_gb_s: float | None
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,8 @@ class Yardstick:
 
     gb_s: float
     dtype: str
+    threads: int
+    one_thread_gb_s: float | None  # the same kernel on one thread (the full probes' median)
     copy_gb_s: float | None
     copy_low_gb_s: float | None
     copy_high_gb_s: float | None
@@ -131,6 +148,13 @@ class Quant:
     f32_ceiling_gb_s: float | None
     predicted_decode: float | None
     weights_gb_s: float | None
+    composition: tuple[tuple[str, float], ...]  # (tensor type, its share of the parameters)
+    fixed_share: float | None  # the step's fixed cost as a share of a quantized step
+    f32_fixed_share: float | None
+    share_of_ceiling: float | None  # of its own streaming ceiling, the run's decode model
+    f32_share_of_ceiling: float | None
+    compute_gflop_s: float | None  # the type's matrix-matrix kernel, probed in the run
+    f32_compute_gflop_s: float | None
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,10 @@ class Batching:
     aggregate: Figure
     per_sequence: Figure
     per_sequence_tok_s: float
+    single_tok_s: float  # one sequence alone, the cell the ratios pair with
+    bound_tok_s: float | None  # the roofline bound at `parallel` from the measured ceilings
+    share_of_bound: float | None
+    ridge_parallel: float | None  # where arithmetic would start to bind
 
 
 @dataclass(frozen=True)
@@ -151,6 +179,8 @@ class LongPrompt:
     rate_ratio: Figure | None
     decode_steps: Figure | None
     attention_flop_share: float | None
+    predicted_rate_ratio: float | None  # the run's prefill model: matrices plus attention
+    measured_over_predicted: float | None
 
 
 @dataclass(frozen=True)
@@ -200,6 +230,8 @@ class Claim:
     measured: str
     verdict: str
     why: str
+    modelled: bool  # the verdict rests on modelled figures
+    scope: str  # "" or which parts the verdict covers ("3 of 4 workloads")
 
 
 @dataclass(frozen=True)
@@ -217,8 +249,9 @@ class Pitfalls:
     stepped: bool
     unpaired: tuple[str, ...]
     warmup_reps: int
-    contexts: tuple[int, ...]
-    flash_attn: bool
+    n_cells: int
+    n_at_budget: int  # cells the time budget stopped before their target
+    target: float | None  # the relative half-width the cells aimed at
 
 
 @dataclass(frozen=True)
@@ -234,6 +267,7 @@ class CoursePage:
     title: str
     intro: str
     provenance: Provenance
+    reference: Reference | None
     phases: TwoPhases | None
     prefill: tuple[PrefillRow, ...]
     decode: tuple[DecodeRow, ...]
@@ -267,6 +301,9 @@ def course_page(records, analysis: dict, reference: dict | None, plots: dict | N
         title=scenario.get("title") or scenario.get("name") or "Run",
         intro=(scenario.get("description") or "").strip(),
         provenance=_provenance(header, env, scenario),
+        reference=Reference(reference["source"], reference["hardware"],
+                            reference.get("cores"), reference.get("memory_gb_s"))
+        if reference else None,
         phases=_phases(analysis, main), prefill=_prefill_rows(analysis, main, figures),
         decode=_decode_rows(analysis, figures), yardstick=_yardstick(analysis, reference),
         decode_model=_decode_model(analysis), quant=_quant(analysis),
@@ -274,7 +311,8 @@ def course_page(records, analysis: dict, reference: dict | None, plots: dict | N
         kv=_kv(analysis, main), hardware=_hardware(analysis),
         workloads=_workloads(analysis, reference),
         claims=tuple(Claim(c["claim"], c["published"], c["measured"], c["verdict"],
-                           c["why"]) for c in claims if c["verdict"] != "not tested"),
+                           c["why"], bool(c.get("modelled")), c.get("scope", ""))
+                     for c in claims if c["verdict"] != "not tested"),
         untested=tuple(Untested(c["claim"], c["why"]) for c in claims
                        if c["verdict"] == "not tested"),
         pitfalls=_pitfalls(analysis, records.measurements), plots=dict(plots or {}),
@@ -312,7 +350,8 @@ def _phases(a: dict, main: tuple | None) -> TwoPhases | None:
                      Figure.of(dec[0]["tok_s"]),
                      center(pre[0]["tok_s"]) / center(dec[0]["tok_s"]),
                      p.get("compute_share"), p.get("stream_share"), d.get("compute_share"),
-                     d.get("stream_share"))
+                     d.get("stream_share"), pre[0].get("n_ubatch") or 512,
+                     Figure.of(p.get("compute_share_ci")), Figure.of(d.get("stream_share_ci")))
 
 
 def _prefill_rows(a: dict, main: tuple | None, figures: list[dict]) -> tuple[PrefillRow, ...]:
@@ -328,8 +367,11 @@ def _prefill_rows(a: dict, main: tuple | None, figures: list[dict]) -> tuple[Pre
                                                if f.get("prefill_s") else None)
         pub_s = f.get("prefill_s") or (r["n_prompt"] / pub_tok_s if pub_tok_s else None)
         tok_s = Figure.of(r["tok_s"])
+        flop_per_token = r["flops"] / r["n_prompt"] if r.get("flops") else None
         out.append(PrefillRow(r["n_prompt"], r["seconds"], tok_s, tok_s.inverse(1000), pub_s,
-                              pub_tok_s))
+                              pub_tok_s, r.get("gflop_s"),
+                              pub_tok_s * flop_per_token / 1e9
+                              if pub_tok_s and flop_per_token else None))
     return tuple(out)
 
 
@@ -376,7 +418,10 @@ def _yardstick(a: dict, reference: dict | None) -> Yardstick | None:
     course = (reference or {}).get("memory_gb_s")
     effective = [f["effective_gb_s"] for f in (reference or {}).get("figures") or []
                  if f.get("effective_gb_s")]
-    return Yardstick(d["stream_ceiling_gb_s"], d["dtype"], copy, min(ends, default=None),
+    one = (((a["machine_model"]["ceilings"].get("1") or {}).get("stream") or {})
+           .get(d["dtype"]) or {}).get("value") if d["threads"] != 1 else None
+    return Yardstick(d["stream_ceiling_gb_s"], d["dtype"], d["threads"], one, copy,
+                     min(ends, default=None),
                      max(ends, default=None), ratio, course,
                      course * ratio if course and ratio else None,
                      min(effective, default=None), max(effective, default=None))
@@ -403,9 +448,25 @@ def _quant(a: dict) -> Quant | None:
     predicted = q["byte_reduction"] * own / f32 if own and f32 else None
     row = next((r for r in a["decode"] if (r["model"], r["dtype"], r["threads"])
                 == (q["model"], q["dtype"], q["threads"])), None)
+    models = {d["dtype"]: d for d in a["machine_model"]["decode"] if d["threads"] == q["threads"]}
+    base = next((r for r in a["quant"] if (r["model"], r["dtype"], r["threads"])
+                 == (q["model"], "f32", q["threads"])), None)
+    compute = (a["machine_model"]["ceilings"].get(str(q["threads"])) or {}).get("compute") or {}
+
+    def fixed_share(d: dict | None, tok_s: dict | None) -> float | None:
+        fixed = (d or {}).get("fixed_s", {}).get(q["model"])
+        return fixed * center(tok_s) if fixed and tok_s else None
+
     return Quant(q["dtype"], q["bits_per_weight"], q["byte_reduction"],
                  Figure.of(q.get("decode_speedup_ci")), Figure.of(q.get("prefill_speedup_ci")),
-                 own, f32, predicted, row["effective_gb_s"] if row else None)
+                 own, f32, predicted, row["effective_gb_s"] if row else None,
+                 tuple(sorted(q["params_share"].items(), key=lambda kv: -kv[1])),
+                 fixed_share(models.get(q["dtype"]), q.get("decode_tok_s")),
+                 fixed_share(models.get("f32"), (base or {}).get("decode_tok_s")),
+                 models.get(q["dtype"], {}).get("share_of_stream"),
+                 models.get("f32", {}).get("share_of_stream"),
+                 (compute.get(q["dtype"]) or {}).get("value"),
+                 (compute.get("f32") or {}).get("value"))
 
 
 def _batching(a: dict) -> Batching | None:
@@ -415,7 +476,12 @@ def _batching(a: dict) -> Batching | None:
         return None
     gain = Figure.of(row["speedup_ci"])
     each = Figure.of(row.get("per_user_ci")) or Figure(gain.value / row["parallel"])
-    return Batching(row["parallel"], gain, each, center(row["per_sequence_tok_s"]))
+    solo = next((r for r in a["batching"] if r["parallel"] == 1 and (
+        r["model"], r["dtype"], r["threads"]) == (row["model"], row["dtype"], row["threads"])),
+        None)
+    return Batching(row["parallel"], gain, each, center(row["per_sequence_tok_s"]),
+                    center(solo["tok_s"]) if solo else center(row["per_sequence_tok_s"]),
+                    row.get("bound_tok_s"), row.get("share_of_bound"), row.get("ridge_parallel"))
 
 
 def _long_prompt(a: dict, main: tuple | None) -> LongPrompt | None:
@@ -430,11 +496,14 @@ def _long_prompt(a: dict, main: tuple | None) -> LongPrompt | None:
     # steps = prefill seconds ÷ seconds per step, round by round where both ran
     steps = scaled(contrast(row_blocks(dec[0]), row_blocks(long))
                    or unpaired(dec[0]["tok_s"], long["tok_s"]), long["n_prompt"])
-    share = next((pt["attention_flop_share"] for p in a["machine_model"]["prefill"]
-                  for pt in p["points"] if pt["id"] == long["id"]), None)
+    points = {pt["id"]: pt for p in a["machine_model"]["prefill"] for pt in p["points"]}
+    lp, sp = points.get(long["id"]), points.get(short["id"])
+    predicted = (sp["predicted_s"] / sp["n_prompt"]) / (lp["predicted_s"] / lp["n_prompt"]) \
+        if lp and sp else None
     return LongPrompt(long["n_prompt"], long["seconds"], center(long["tok_s"]),
                       short["n_prompt"], center(short["tok_s"]), Figure.of(c),
-                      Figure.of(steps), share)
+                      Figure.of(steps), lp["attention_flop_share"] if lp else None, predicted,
+                      lp["measured_over_predicted"] if lp else None)
 
 
 KV_BYTES = {"f16": 2, "f32": 4, "bf16": 2}
@@ -500,11 +569,13 @@ def _pitfalls(a: dict, measurements) -> Pitfalls | None:
         return None
     unpaired = tuple(c["name"] for f in a.get("fits") or [] for c in
                      f.get("size_contrasts") or [] if not c.get("paired"))
+    stopped = [m for m in measurements if m.stopped_by]
     return Pitfalls(d["n_rounds"], d["low"], d["high"], tuple(regime_sentences(a["decode"])),
                     any(r.get("interleave") == "step" for r in a["decode"]), unpaired,
-                    max((m.warmup for m in measurements), default=0),
-                    tuple(sorted({m.n_ctx for m in measurements})),
-                    any(m.flash_attn_used for m in measurements))
+                    max((m.warmup for m in measurements), default=0), len(measurements),
+                    sum(m.stopped_by == "budget" for m in stopped),
+                    max((m.policy.get("target_ci") or 0 for m in stopped
+                         if isinstance(m.policy, dict)), default=None) or None)
 
 
 PAGE_PLOTS = ("prefill_vs_prompt", "decode_vs_bytes", "quant_speedup", "batching")

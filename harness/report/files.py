@@ -10,7 +10,7 @@ from ..core.errors import HarnessError
 from ..engine.build import write_text_atomically
 from ..engine.results import RESULTS_FILE, read_records
 from ..study.analyze import analyze_records
-from .page import render_csv, render_json, render_markdown, report_data
+from .page import render_csv, render_json, report_data
 
 FORMATS = ("md", "csv", "json")
 
@@ -38,11 +38,12 @@ FULL_REPORT = "full.md"
 
 def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md",
                  lesson: bool | None = None, analysis: dict | None = None,
-                 template: Path | None = None) -> Path:
+                 template: str | Path | None = None) -> Path:
     """Render a run's report (with plots for markdown) and write it; returns the path. A run
-    of a scenario with a `reference:` block (or lesson=True) gets the course page, through
-    the lesson template (or `template`, or the scenario's own), and its full report beside it
-    (full.md); analysis: the records' analysis when the caller has just computed it."""
+    of a scenario with a `reference:` block (or lesson=True) gets the course page and its full
+    report beside it (full.md); any other run its full report. `template` (a built-in name or
+    a file; default the scenario's `template:`) renders report.md instead of the built-in
+    page; analysis: the records' analysis when the caller has just computed it."""
     from ..core.reference import reference_from_header
 
     analysis = analysis if analysis is not None else analysis_of(records)
@@ -53,27 +54,33 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     if fmt != "md":
         write_text_atomically(out, render_csv(data) if fmt == "csv" else render_json(data))
         return out
-    if not as_lesson:
-        write_text_atomically(out, render_markdown(data, _write_plots(records, analysis,
-                                                                      out.parent, reference)))
-        return out
-    from .course import course_page, page_plots
-    from .lesson import lesson_data, render_lesson
-    from .templating import render
-
+    chosen = template or scenario_template(records.header)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # the plots are drawn aside until the page renders: a bad template writes nothing
+    # the plots are drawn aside until the pages render: a bad template writes nothing
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".plots-") as aside:
         plots = _write_plots(records, analysis, Path(aside), reference)
-        page = course_page(records, analysis, reference, page_plots(records, analysis, plots),
-                           FULL_REPORT)
-        text = render(template or scenario_template(records.header) or "lesson", page)
-        full = render_lesson(lesson_data(records, analysis, reference), plots)
+        pages = _pages(records, analysis, data, reference, plots, chosen, as_lesson)
         for drawn in Path(aside).iterdir():
             os.replace(drawn, out.parent / drawn.name)
-    write_text_atomically(out.parent / FULL_REPORT, full)
-    write_text_atomically(out, text)
+    for name, text in pages.items():
+        write_text_atomically(out if name is None else out.parent / name, text)
     return out
+
+
+def _pages(records, analysis: dict, data: dict, reference: dict | None, plots: list[str],
+           template: str | Path | None, as_lesson: bool) -> dict:
+    """The pages to write (None: the report itself), each rendered through its template."""
+    from .course import course_page, page_plots
+    from .lesson import full_sections, lesson_data
+    from .page import run_sections
+    from .templating import SECTION_PAGES, render
+
+    if not as_lesson or str(template) in SECTION_PAGES:
+        return {None: render(template or "full", run_sections(data, plots))}
+    page = course_page(records, analysis, reference, page_plots(records, analysis, plots),
+                       FULL_REPORT)
+    full = full_sections(lesson_data(records, analysis, reference), plots)
+    return {None: render(template or "lesson", page), FULL_REPORT: render("full", full)}
 
 
 def _write_plots(records, analysis: dict, out_dir: Path, reference: dict | None) -> list[str]:
@@ -86,10 +93,10 @@ def _write_plots(records, analysis: dict, out_dir: Path, reference: dict | None)
                            fix="choose a writable place with -o, or free some disk") from None
 
 
-def scenario_template(header) -> Path | None:
-    """The template file a run's scenario names (`template:`), or None."""
-    name = ((header.scenario if header else None) or {}).get("template")
-    return Path(name) if name else None
+def scenario_template(header) -> str | None:
+    """The template a run's scenario names (`template:`: a built-in name or a file), or
+    None."""
+    return ((header.scenario if header else None) or {}).get("template") or None
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:

@@ -8,7 +8,6 @@ on this machine, estimates, and the diagnostics last. Every sentence is computed
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..core.records import to_dict
 from ..core.stats import center, inverse
@@ -30,6 +29,7 @@ from .page import (
     share_summary,
     workloads_table,
 )
+from .templating import FullPage, Section
 
 PLOT_CAPTIONS = {
     "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
@@ -284,22 +284,6 @@ def claims_table(data: dict) -> Table | None:
 
 
 # --- the page ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Section:
-    """One part of the full report: its name (for a template to pick) and its markdown."""
-
-    name: str
-    markdown: str
-
-
-@dataclass(frozen=True)
-class FullPage:
-    """The full report as named sections, rendered by templates/full.md.j2."""
-
-    title: str
-    sections: tuple[Section, ...]
-
 
 def full_sections(data: dict, plots: list[str] | None = None) -> FullPage:
     """The full report of a lesson run, section by section; plots are relative file names."""

@@ -23,6 +23,7 @@ from ..render.tabular import (
 )
 from ..study.claims import check_claims
 from .findings import findings, main_model
+from .templating import FullPage, Section
 
 PLOTS = {
     "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
@@ -663,48 +664,71 @@ def context_sentence(measurements: list[Measurement]) -> str:
     return " ".join(out)
 
 
-def render_markdown(data: dict, plots: list[str] | None = None) -> str:
-    """The report as GitHub-flavoured markdown; plots are relative file names."""
-    s = data["scenario"]
-    out = [f"# {s.get('title') or s.get('name', 'Run')}", ""]
-    if s.get("description"):
-        out += [s["description"].strip(), ""]
-    env = data["env"]
-    out += [f"Measured {(data['created'] or '')[:10]} on {env.get('cpu_model')} "
-            f"({env.get('physical_cores')} cores), llama.cpp "
-            f"{env.get('llama', {}).get('ggml_commit')}; {data['n_measurements']} measurements.",
-            ""]
+def run_sections(data: dict, plots: list[str] | None = None):
+    """The report of a run as named sections (intro, findings, each table with its plot, the
+    levers' heading, method, environment, reproduce); plots are relative file names."""
+    s, env = data["scenario"], data["env"]
+    head = [s["description"].strip(), ""] if s.get("description") else []
+    head += [f"Measured {(data['created'] or '')[:10]} on {env.get('cpu_model')} "
+             f"({env.get('physical_cores')} cores), llama.cpp "
+             f"{env.get('llama', {}).get('ggml_commit')}; {data['n_measurements']} "
+             "measurements.", ""]
     if data["missing"]:
-        out += [f"> **Incomplete run:** {len(data['missing'])} planned measurement(s) are "
-                "missing: " + ", ".join(f"`{m}`" for m in data["missing"]), ""]
+        head += [f"> **Incomplete run:** {len(data['missing'])} planned measurement(s) are "
+                 "missing: " + ", ".join(f"`{m}`" for m in data["missing"]), ""]
     for f in data["failures"]:
-        out += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}", ""]
+        head += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}", ""]
+    out = [Section("intro", _lines(head))]
     if data.get("findings"):
-        out += ["## Findings", ""] + [f"- {line}" for line in data["findings"]] + [""]
-    plots = list(plots or [])
+        out.append(Section("findings", _lines(["## Findings", ""] + [
+            f"- {line}" for line in data["findings"]] + [""])))
+    out += _table_sections(data, list(plots or []))
+    out += [Section("method", _lines(["## Method", "", data["method"], ""])),
+            Section("environment", _lines(["## Environment", "", *env_lines(env), ""])),
+            Section("reproduce", _lines([
+                "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```",
+                "", f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt "
+                "byte-identically from the specs and seed; numbers will differ on another "
+                "machine, and by a few percent between runs on this one.", ""]))]
+    return FullPage(s.get("title") or s.get("name", "Run"), tuple(out))
+
+
+def _table_sections(data: dict, plots: list[str]) -> list:
+    """Each table as a section named after it (a lever's plot after its last table), the
+    unplaced plots before the levers' heading."""
     placed = {PLOT_AFTER[p.rsplit(".", 1)[0]]: p for p in plots
               if PLOT_AFTER.get(p.rsplit(".", 1)[0]) in {t.name for t in data["tables"]}}
     levers = [t.name for t in data["tables"] if t.name in TABLE_NAMES]
     rest = [p for p in plots if p not in placed.values()]
+    out = []
     for t in data["tables"]:
         if levers and t.name == levers[0]:
-            for name in rest:
-                out += _plot_line(name)
+            out += _rest_plots(rest)
             rest = []
-            out += ["## Levers", ""]
-        out += [markdown_table(t), ""]
+            out.append(Section("levers", _lines(["## Levers", ""])))
+        lines = [markdown_table(t), ""]
         if t.name == "decode" and data["fits"]:
-            out += _fit_lines(data["fits"])
+            lines += _fit_lines(data["fits"])
         if t.name in placed:
-            out += _plot_line(placed[t.name])
-    for name in rest:
-        out += _plot_line(name)
-    out += ["## Method", "", data["method"], "", "## Environment", "", *env_lines(env), "",
-            "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```", "",
-            f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt byte-identically "
-            "from the specs and seed; numbers will differ on another machine, and by a few "
-            "percent between runs on this one.", ""]
-    return "\n".join(out)
+            lines += _plot_line(placed[t.name])
+        out.append(Section(t.name, _lines(lines)))
+    return out + _rest_plots(rest)
+
+
+def _rest_plots(plots: list[str]) -> list:
+    return [Section("plots", _lines([line for p in plots for line in _plot_line(p)]))] \
+        if plots else []
+
+
+def _lines(lines: list[str]) -> str:
+    return "\n".join(lines)
+
+
+def render_markdown(data: dict, plots: list[str] | None = None) -> str:
+    """The report as GitHub-flavoured markdown, through the built-in `full` template."""
+    from .templating import render
+
+    return render("full", run_sections(data, plots))
 
 
 def _plot_line(name: str) -> list[str]:

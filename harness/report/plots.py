@@ -99,10 +99,14 @@ def prefill_finding(measurements: list[Measurement]) -> str:
         dec = [m for m in measurements if m.n_gen and is_plain(m) and m.decode_tok_s
                and (m.model, m.dtype, m.threads) == key]
         if len(group) >= 2 and dec:
-            ratios.append(center(group[0].prefill_tok_s) / center(dec[0].decode_tok_s))
+            ratios.append((center(group[0].prefill_tok_s) / center(dec[0].decode_tok_s),
+                           group[0].n_prompt, center(group[-1].prefill_tok_s)
+                           / center(dec[0].decode_tok_s), group[-1].n_prompt))
     if not ratios:
         return "Prefill against prompt length, beside decode"
-    return f"A decoded token costs {min(ratios):.0f}× a prompt token's time"
+    short, n_short, long, n_long = min(ratios)
+    return (f"A decoded token costs {short:.0f}× a prompt token's time at {n_short:,} tokens, "
+            f"{long:.0f}× at {n_long:,}")
 
 
 def prefill_vs_prompt(measurements: list[Measurement], out_dir: Path) -> str | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..core.stats import center
 from ..render.tabular import Column, Table, ceiling_share_notes, markdown_table
+from .page import system_info_cell
 
 METRIC_NOTE = (
     "TTFT: sending a request to its first token's chunk. TPOT: (last chunk − first chunk) ÷ "
@@ -53,26 +54,34 @@ def level_row(level: dict) -> dict:
     return row
 
 
-def levels_table(levels: list[dict], slo: dict | None) -> Table:
-    cols = [Column("load", "level"), Column("ok", "ok", "int"), Column("failed", "failed", "int")]
-    for metric, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL")):
-        cols += [Column(f"{name} p{p} ms", f"{metric}_p{p}", "f2") for p in (50, 90, 99)]
-    cols += [Column("chunk gap p50 ms", "chunk_gap_s_p50", "f2"),
-             Column("E2E p50 ms", "e2e_s_p50", "f1"), Column("E2E p99 ms", "e2e_s_p99", "f1"),
-             Column("requests/s", "request_s", "f2"), Column("output tok/s", "output_tok_s", "f1"),
-             Column("busy slots per decode call", "busy_slots", "f2"),
-             Column("tokens per decode call", "per_decode", "f2")]
-    notes = [METRIC_NOTE, "Busy slots per decode call: llama-server's n_busy_slots_per_decode "
-             "(a running mean since it started) taken apart over the level with n_decode_total: "
-             "the requests each llama_decode call carried, in prefill or decode. Tokens per "
-             "decode call: the growth of tokens_predicted_total ÷ n_decode_total, generated "
-             "tokens per call (calls that only ran a prompt count too)."]
+def levels_tables(levels: list[dict], slo: dict | None) -> list[Table]:
+    """Latency, throughput and the tails per load level: three tables of at most 8 columns."""
+    rows = [level_row(lv) for lv in levels]
+    latency = [Column("load", "level"), Column("ok", "ok", "int"),
+               Column("failed", "failed", "int"), Column("TTFT p50 ms", "ttft_s_p50", "f2"),
+               Column("TPOT p50 ms", "tpot_s_p50", "f2"), Column("ITL p50 ms", "itl_s_p50", "f2"),
+               Column("E2E p50 ms", "e2e_s_p50", "f1")]
+    tails = [Column("load", "level")] + [
+        Column(f"{name} p{p} ms", f"{metric}_p{p}", "f2")
+        for metric, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"))
+        for p in (90, 99)] + [Column("E2E p99 ms", "e2e_s_p99", "f1")]
+    served = [Column("load", "level"), Column("requests/s", "request_s", "f2"),
+              Column("output tok/s", "output_tok_s", "f1"),
+              Column("chunk gap p50 ms", "chunk_gap_s_p50", "f2"),
+              Column("busy slots per decode call", "busy_slots", "f2"),
+              Column("tokens per decode call", "per_decode", "f2")]
+    notes = ["Busy slots per decode call: llama-server's n_busy_slots_per_decode (a running mean "
+             "since it started) taken apart over the level with n_decode_total: the requests "
+             "each llama_decode call carried, in prefill or decode. Tokens per decode call: the "
+             "growth of tokens_predicted_total ÷ n_decode_total, generated tokens per call "
+             "(calls that only ran a prompt count too)."]
     if slo:
-        cols.append(Column("goodput requests/s", "goodput", "f2"))
+        served.append(Column("goodput requests/s", "goodput", "f2"))
         notes.append("Goodput: requests/s meeting every SLO (" + ", ".join(
             f"{k.replace('_ms', '')} ≤ {v:g} ms" for k, v in slo.items()) + ").")
-    return Table("serving", "Latency and throughput per load level", cols,
-                 [level_row(lv) for lv in levels], notes)
+    return [Table("serving", "Latency per load level", latency, rows, [METRIC_NOTE]),
+            Table("serving_tails", "The tails: p90 and p99 per load level", tails, rows, []),
+            Table("serving_throughput", "Throughput per load level", served, rows, notes)]
 
 
 def server_identity(header: dict) -> str:
@@ -172,23 +181,34 @@ def roofline_table(levels: list[dict]) -> Table | None:
     if not rows:
         return None
     # the verdict first, so it shows in a narrow column; the bound's inputs after it
-    cols = [Column("load", "level"), Column("bound by", "limiter"),
+    cols = [Column("load", "level"), Column("sequences decoding", "sequences", "int"),
+            Column("bound by", "limiter"),
             Column("roofline bound tok/s", "bound_tok_s", "f1"),
             Column("served decode tok/s", "served_tok_s", "f1"),
             Column("served share of bound (95% interval)", "served_share", "pctci"),
             Column("in-process share of bound (95% interval)", "inprocess_share", "pctci"),
-            Column("", "flag"), Column("sequences decoding", "sequences", "int"),
-            Column("weights MB per step", "weights_mb", "f1"),
+            Column("", "flag")]
+    shares = [(center(r[key]), None, r["flags"][i]) for r in rows
+              for i, key in enumerate(("served_share", "inprocess_share")) if r[key]]
+    return Table("roofline", "Why: decode against the roofline of this machine", cols, rows,
+                 [*ceiling_share_notes(shares)])
+
+
+def bound_inputs_table(levels: list[dict]) -> Table | None:
+    """What each level's roofline bound was made of: a step's bytes and FLOPs and the
+    ceilings they meet."""
+    rows = [r for r in map(roofline_row, levels) if r]
+    if not rows:
+        return None
+    cols = [Column("load", "level"), Column("weights MB per step", "weights_mb", "f1"),
             Column("KV cache MB per step", "kv_mb", "f1"),
             Column("GFLOP per step", "gflop", "f2"),
             Column("streaming ceiling GB/s", "stream_gb_s", "f1"),
             Column("compute ceiling GFLOP/s", "compute_gflop_s", "f0"),
             Column("step ≥ (memory) ms", "memory_ms", "f1"),
             Column("step ≥ (compute) ms", "compute_ms", "f1")]
-    shares = [(center(r[key]), None, r["flags"][i]) for r in rows
-              for i, key in enumerate(("served_share", "inprocess_share")) if r[key]]
-    return Table("roofline", "Why: decode against the roofline of this machine", cols, rows,
-                 [ROOFLINE_NOTE, *ceiling_share_notes(shares)])
+    return Table("roofline_inputs", "The bound's inputs per load level", cols, rows,
+                 [ROOFLINE_NOTE])
 
 
 ROOFLINE_NOTE = (
@@ -548,17 +568,57 @@ def render_serving_page(header: dict, levels: list[dict],
     lines += [f"- {f}" for f in roofline_findings(levels, server.get("slots"))]
     if differ := build_difference(header, levels):
         lines.append(f"- {differ}")
-    lines += ["", markdown_table(levels_table(levels, header["slo"])), ""]
+    lines.append("")
+    for table in levels_tables(levels, header["slo"]):
+        lines += [markdown_table(table).rstrip("\n"), ""]
     if any(lv["steady_decode"] for lv in levels):
         lines += [markdown_table(explain_table(levels, header)), ""]
     if any(lv["summary"].get("server_prompt_s") for lv in levels):
         lines += [markdown_table(ttft_table(levels)), ""]
-    if roof := roofline_table(levels):
-        lines += [markdown_table(roof), ""]
+    for table in (roofline_table(levels), bound_inputs_table(levels)):
+        if table:
+            lines += [markdown_table(table), ""]
     lines += [f"![{caption}]({name})\n" for name, caption in plots]
     failed = [lv for lv in levels if lv["errors"]]
     lines += [f"- {lv['label']}: {'; '.join(lv['errors'])}" for lv in failed]
+    lines += ["", *serving_environment(header)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def serving_environment(header: dict) -> list[str]:
+    """The environment and the command that reproduces the run, from its header."""
+    server, info = header["server"] or {}, header["system_info"] or {}
+    build = server.get("build") or {}
+    rows = [("server", server.get("server_version") or server.get("server")
+             or server.get("endpoint")),
+            ("server command", " ".join(_redact_port(server.get("command") or [])) or None),
+            ("llama.cpp (server build)", build.get("llama_cpp_commit", "")[:12] or None),
+            ("llama.cpp (in-process bindings)", info.get("inprocess_commit")),
+            ("llama.cpp system info", system_info_cell(info.get("server"))),
+            ("Python, harness", f"{header.get('python')}, {header.get('harness')}")]
+    table = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows if v]
+    scenario = (header["scenario"] or {}).get("path")
+    again = f"harness run {scenario}" if scenario else "harness " + " ".join(
+        _without_out(header.get("argv") or [])[1:])
+    return ["## Environment", "", *table, "", "## Reproduce", "", "```sh", again, "```"]
+
+
+def _without_out(argv: list[str]) -> list[str]:
+    """A command line without its --out folder (where this run wrote, not what it did)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "-o"):
+            skip = True
+        elif not arg.startswith("--out="):
+            out.append(arg)
+    return out
+
+
+def _redact_port(command: list[str]) -> list[str]:
+    """The server's command with its port, a free one picked per run, as PORT."""
+    return ["PORT" if i and command[i - 1] == "--port" else c for i, c in enumerate(command)]
 
 
 def write_serving_plots(levels: list[dict], out_dir: Path) -> list[tuple[str, str]]:

@@ -5,16 +5,35 @@ template file, its line and the name, exit 2."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import jinja2
 
 from ..core.errors import HarnessError
+from ..core.options import PAGE_TEMPLATES
 
 TEMPLATES = resources.files("harness.report") / "templates"
-BUILT_IN = ("lesson", "full")
+BUILT_IN = PAGE_TEMPLATES
+SECTION_PAGES = BUILT_IN[1:]  # templates over a FullPage's sections
 SUFFIX = ".md.j2"
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of a full report: its name (for a template to pick) and its markdown."""
+
+    name: str
+    markdown: str
+
+
+@dataclass(frozen=True)
+class FullPage:
+    """A full report as named sections, rendered by templates/full.md.j2 (or a lever's)."""
+
+    title: str
+    sections: tuple[Section, ...]
 
 
 # --- filters: every number a page prints goes through one of these -------------------------
@@ -72,7 +91,13 @@ def with_interval(figure, fmt: str = "num", *args) -> str:
     return f"{f(figure.value, *args)} {interval(figure, fmt, *args)}"
 
 
-FILTERS = {"tok_s": tok_s, "num": num, "pct": pct, "times": times, "gb": gb,
+def nobreak(name: str) -> str:
+    """A model name with non-breaking hyphens (U+2011, the same glyph), so a narrow table
+    column of an 860 px page never splits qwen2.5-0.5b."""
+    return name.replace("-", "\u2011")
+
+
+FILTERS = {"nobreak": nobreak, "tok_s": tok_s, "num": num, "pct": pct, "times": times, "gb": gb,
            "seconds": seconds, "interval": interval, "ci": with_interval}
 
 
@@ -100,9 +125,14 @@ def _environment(folder: Path) -> jinja2.Environment:
     return env
 
 
+def resolve(template: str | Path) -> Path:
+    """A built-in template's file (by name), or the file given."""
+    return template_path(str(template)) if str(template) in BUILT_IN else Path(template)
+
+
 def render(template: str | Path, data) -> str:
     """Render a built-in template (by name) or a template file over a typed result."""
-    path = template_path(template) if isinstance(template, str) else Path(template)
+    path = resolve(template)
     if not path.is_file():
         raise HarnessError("no template file here", source=str(path),
                            fix="pass a file, or print a built-in one with `harness template`")
