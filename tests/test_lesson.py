@@ -307,9 +307,10 @@ def test_workload_balance_decides_what_it_can_and_names_what_it_cannot(chat_shar
                    decode_bound="chat")
     (got,) = check_claims({"claims": [claim]}, a, ENV)
     # the longest prompt measured is 4,096: 10,000 tokens is 2.4x beyond it
-    assert "not tested: RAG, long context (10,000 tokens, 2.4× the longest prompt measured, " \
-           "4,096)" in got["why"]
-    assert "RAG" not in got["measured"] and "modelled" in got["why"]
+    assert "not tested, too far to model: RAG, long context (2.4× the longest prompt " \
+           "measured, 4,096 tokens)" in got["why"]
+    assert "RAG" not in got["measured"] and got["modelled"] and got["scope"] == \
+        "2 of 3 workloads"
     assert got["verdict"] == ("holds" if chat_share < 0.5 else "does not hold")
     assert f"chat {chat_share:.0%} prefill (modelled)" in got["measured"]
 

@@ -205,10 +205,8 @@ def _prefill_figure(f: dict, a: dict, ref: dict) -> dict:
     if ref.get("cores"):
         here = r["gflop_s"] / r["threads"]
         there = published * r["flops"] / r["n_prompt"] / 1e9 / ref["cores"]
-        why.append(f"compute: {here:.0f} GFLOP/s per thread here ({r['threads']}), "
-                   f"{there:.0f} per core implied there ({ref['cores']}): {here / there:.2f}× "
-                   f"per core × {r['threads']}/{ref['cores']} cores = "
-                   f"{here / there * r['threads'] / ref['cores']:.2f}×")
+        why.append(f"compute: {r['threads']} threads here at {here:.0f} GFLOP/s each, "
+                   f"{ref['cores']} cores there at {there:.0f} each (implied by its time)")
     why += _slowdown_why(f, r, a, ref)
     return out | {"why": "; ".join(why) or "–"}
 

@@ -260,9 +260,8 @@ def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
                 missing.append(name)
                 continue
             if longest and row["n_prompt"] > BEYOND * longest:
-                beyond.append(f"{row['workload']} ({row['n_prompt']:,} tokens, "
-                              f"{row['n_prompt'] / longest:.1f}× the longest prompt measured, "
-                              f"{longest:,})")
+                beyond.append(f"{row['workload']} ({row['n_prompt'] / longest:.1f}× the "
+                              f"longest prompt measured, {longest:,} tokens)")
                 continue
             share = {"n": 1, "median": row["prefill_share"],
                      "median_ci95": row.get("prefill_share_ci")}
@@ -277,10 +276,8 @@ def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
         return _not_measured("every named workload lies beyond the prompts measured")
     out = _verdict(parts)
     why = "each share on the named side of 50% with its interval"
-    if modelled:
-        why += "; the shares are modelled from the nearest measured lengths"
     if beyond:
-        why += "; not tested: " + "; ".join(beyond) + ", too far to model"
+        why += "; not tested, too far to model: " + "; ".join(beyond)
     r = rows[0]
     plural = "s" if r["threads"] != 1 else ""
     n_named = len(parts) + len(beyond)
