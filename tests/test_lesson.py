@@ -323,3 +323,13 @@ def test_model_names_in_the_lesson_tables_do_not_break():
     out = unbreakable(md).split("\n")
     assert out[1] == "|---|---|" and out[3] == "prose qwen2.5-0.5b"
     assert out[2] == "| qwen2.5\u20110.5b F32 | long-form chat, llama\u20113.2\u20111b |"
+
+
+def test_a_one_token_answer_spends_no_time_in_decode():
+    # the first generated token comes from the prefill's logits: 1 token, 0 decode steps
+    records, _, _ = _lesson_page()
+    from harness.report.files import analysis_of
+
+    rows = [w for w in analysis_of(records)["workloads"] if w["n_gen"] == 1]
+    assert rows and all(w["decode_s"] == 0 and w["prefill_share"] == 1 for w in rows)
+    assert all(w["decode_s"] > 0 for w in analysis_of(records)["workloads"] if w["n_gen"] > 1)

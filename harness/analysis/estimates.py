@@ -280,7 +280,8 @@ def _workload(mm: dict, spec: ModelSpec, key: tuple, workload: tuple, pre: list[
                             f"{n_prompt:,} (no attention probe to model it)")
     context = n_prompt + (n_gen + 1) / 2
     depth, rate = min(dec, key=lambda d: abs(math.log(d[0] / context)))
-    decode_s = n_gen / center(rate)
+    # the first generated token comes from the prefill's logits: n_gen - 1 decode steps
+    decode_s = (n_gen - 1) / center(rate)
     if abs(math.log(depth / context)) > math.log(1.5):
         here = estimate(mm, spec, key[1], threads=key[2], context=int(context))
         there = estimate(mm, spec, key[1], threads=key[2], context=int(depth))
