@@ -8,8 +8,10 @@ import statistics
 from dataclasses import dataclass
 
 from ..analysis.machine import regime_sentences
-from ..core.stats import center, contrast, row_blocks, scaled, unpaired
-from ..study.claims import BEYOND, check_claims, workload_rows
+from ..core.costs import kv_n_bytes_per_token, kv_type_bytes_per_element
+from ..core.specs import ModelSpec
+from ..core.stats import center
+from ..study.claims import beyond_measured, check_claims, first_token_steps, workload_rows
 from .findings import main_model, rows_of
 
 GIB = 2**30
@@ -493,9 +495,7 @@ def _long_prompt(a: dict, main: tuple | None) -> LongPrompt | None:
     long = max(pre, key=lambda r: r["n_prompt"])
     c = next((c for c in a["prompt_lengths"] if c["numerator"] == long["id"]
               and c["denominator"] == short["id"]), None)
-    # steps = prefill seconds ÷ seconds per step, round by round where both ran
-    steps = scaled(contrast(row_blocks(dec[0]), row_blocks(long))
-                   or unpaired(dec[0]["tok_s"], long["tok_s"]), long["n_prompt"])
+    steps = first_token_steps(dec[0], long)
     points = {pt["id"]: pt for p in a["machine_model"]["prefill"] for pt in p["points"]}
     lp, sp = points.get(long["id"]), points.get(short["id"])
     predicted = (sp["predicted_s"] / sp["n_prompt"]) / (lp["predicted_s"] / lp["n_prompt"]) \
@@ -506,21 +506,16 @@ def _long_prompt(a: dict, main: tuple | None) -> LongPrompt | None:
                       lp["measured_over_predicted"] if lp else None)
 
 
-KV_BYTES = {"f16": 2, "f32": 4, "bf16": 2}
-
-
 def _kv(a: dict, main: tuple | None) -> KvCache | None:
-    """The cache per token of the main model at F16 (2 × layers × KV heads × head size ×
-    bytes: keys and values, llama.cpp's default cache type)."""
+    """The cache per token of the main model at F16, llama.cpp's default cache type."""
     entry = (a["machine_model"].get("models") or {}).get(f"{main[0]}|{main[1]}") if main else None
     if not entry:
         return None
-    s = entry["spec"]
-    head = s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
-    per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head * KV_BYTES["f16"]
+    spec = ModelSpec(**entry["spec"])
     longest = max((r["n_prompt"] for r in a["prefill"]), default=0)
-    return KvCache(main[0], s["num_hidden_layers"], s["num_key_value_heads"], head,
-                   KV_BYTES["f16"], per_token, longest, entry["weights_n_bytes"])
+    return KvCache(main[0], spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim,
+                   int(kv_type_bytes_per_element("f16")), int(kv_n_bytes_per_token(spec)),
+                   longest, entry["weights_n_bytes"])
 
 
 def _hardware(a: dict) -> Hardware | None:
@@ -547,20 +542,12 @@ def _workloads(a: dict, reference: dict | None) -> tuple[Workload, ...]:
         return ()
     sides = {n.strip(): side for side in ("prefill", "decode")
              for n in claim[f"{side}_bound"].split(";") if n.strip()}
-    rows = workload_rows(a)
-    longest = max((p["n_prompt"] for p in a["prefill"] if p["n_gen"] == 0 and rows and
-                   (p["model"], p["dtype"], p["threads"])
-                   == (rows[0]["model"], rows[0]["dtype"], rows[0]["threads"])), default=0)
-
-    def beyond(n: int) -> float | None:
-        return n / longest if longest and n > BEYOND * longest else None
-
     return tuple(Workload(r["workload"], r["n_prompt"], r["n_gen"], r["prefill_s"],
                           r["decode_s"], Figure(r["prefill_share"],
                                                 *(r.get("prefill_share_ci") or (None, None))),
                           bool(r.get("modelled")), sides[r["workload"].lower()],
-                          beyond(r["n_prompt"]))
-                 for r in rows if r["workload"].lower() in sides)
+                          beyond_measured(a, r))
+                 for r in workload_rows(a) if r["workload"].lower() in sides)
 
 
 def _pitfalls(a: dict, measurements) -> Pitfalls | None:

@@ -47,11 +47,11 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     from ..core.reference import reference_from_header
 
     analysis = analysis if analysis is not None else analysis_of(records)
-    data = report_data(records, analysis)
     reference = reference_from_header(records.header)
     as_lesson = lesson if lesson is not None else reference is not None
     out = out or run_dir / f"report.{fmt}"
     if fmt != "md":
+        data = report_data(records, analysis)
         write_text_atomically(out, render_csv(data) if fmt == "csv" else render_json(data))
         return out
     chosen = template or scenario_template(records.header)
@@ -59,7 +59,7 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     # the plots are drawn aside until the pages render: a bad template writes nothing
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".plots-") as aside:
         plots = _write_plots(records, analysis, Path(aside), reference)
-        pages = _pages(records, analysis, data, reference, plots, chosen, as_lesson)
+        pages = _pages(records, analysis, reference, plots, chosen, as_lesson)
         for drawn in Path(aside).iterdir():
             os.replace(drawn, out.parent / drawn.name)
     for name, text in pages.items():
@@ -67,7 +67,7 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     return out
 
 
-def _pages(records, analysis: dict, data: dict, reference: dict | None, plots: list[str],
+def _pages(records, analysis: dict, reference: dict | None, plots: list[str],
            template: str | Path | None, as_lesson: bool) -> dict:
     """The pages to write (None: the report itself), each rendered through its template."""
     from .course import course_page, page_plots
@@ -76,7 +76,8 @@ def _pages(records, analysis: dict, data: dict, reference: dict | None, plots: l
     from .templating import SECTION_PAGES, render
 
     if not as_lesson or str(template) in SECTION_PAGES:
-        return {None: render(template or "full", run_sections(data, plots))}
+        return {None: render(template or "full",
+                             run_sections(report_data(records, analysis), plots))}
     page = course_page(records, analysis, reference, page_plots(records, analysis, plots),
                        FULL_REPORT)
     full = full_sections(lesson_data(records, analysis, reference), plots)

@@ -29,7 +29,7 @@ from .page import (
     share_summary,
     workloads_table,
 )
-from .templating import FullPage, Section
+from .templating import FullPage, Section, nobreak
 
 PLOT_CAPTIONS = {
     "decode_vs_bytes": "Decode tok/s against GB read per token (log-log): the run's model of "
@@ -293,9 +293,9 @@ def full_sections(data: dict, plots: list[str] | None = None) -> FullPage:
              f"{(env.get('llama') or {}).get('ggml_commit')}.", ""]
     head += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}" for f in
              data["failures"]]
-    out = [Section("intro", _join(head)),
-           Section("findings", _join(["## Findings", ""]
-                                     + [f"- {line}" for line in findings(data)] + [""]))]
+    out = [Section.of("intro", head),
+           Section.of("findings", ["## Findings", ""]
+                                     + [f"- {line}" for line in findings(data)] + [""])]
     a = data["analysis"]
     tables = [(side_by_side(data), "prefill_vs_prompt"),
               (next(iter(prefill_model_table(a)), None), None),
@@ -305,29 +305,26 @@ def full_sections(data: dict, plots: list[str] | None = None) -> FullPage:
               (workloads_of_main(data), None), (claims_table(data), "batching")]
     for table, plot in tables:
         if table is not None:
-            out.append(Section(table.name, _join(
+            out.append(Section.of(table.name,
                 [unbreakable(markdown_table(table).replace("### ", "## ", 1)), ""]
-                + _plot(plot, plots))))
-    out.append(Section("twins", _join(twin_section(a) + _plot("twins", plots))))
+                + _plot(plot, plots)))
+    out.append(Section.of("twins", twin_section(a) + _plot("twins", plots)))
     est = estimates_table(data["analysis"])
     if est:
         head, _, rest = unbreakable(markdown_table(est[0])).partition("\n")
-        out.append(Section("estimates", _join(
-            ["## Your machine against others (estimates: decode tok/s)", rest, ""])))
-    out += [Section("method", _join(["## Method", "", method_text(data["records"]), ""])),
-            Section("environment", _join(["## Environment", "", *env_lines(env), ""])),
-            Section("reproduce", _join(["## Reproduce", "", "```sh",
+        out.append(Section.of("estimates",
+            ["## Your machine against others (estimates: decode tok/s)", rest, ""]))
+    out += [Section.of("method", ["## Method", "", method_text(data["records"]), ""]),
+            Section.of("environment", ["## Environment", "", *env_lines(env), ""]),
+            Section.of("reproduce", ["## Reproduce", "", "```sh",
                                         f"harness run {s.get('path', 'SCENARIO')}", "```",
-                                        ""]))]
+                                        ""])]
     appendix = ["## Appendix: diagnostics", ""]
     for table in (ceilings_table(data["analysis"]), repetitions_table(data["measurements"])):
         appendix += [markdown_table(table), ""]
-    out.append(Section("diagnostics", _join(appendix + _plot("decode_per_token", plots))))
+    out.append(Section.of("diagnostics", appendix + _plot("decode_per_token", plots)))
     return FullPage(f"{s.get('title') or s.get('name', 'Run')}: the full report", tuple(out))
 
-
-def _join(lines: list[str]) -> str:
-    return "\n".join(lines)
 
 
 def render_lesson(data: dict, plots: list[str] | None = None) -> str:
@@ -358,7 +355,7 @@ def unbreakable(table_md: str) -> str:
     hyphens (U+2011, the same glyph), so a narrow column of an 860 px page never splits one."""
     def name(m: re.Match) -> str:
         word = m.group(0)
-        return word.replace("-", "\u2011") if any(c.isdigit() for c in word) else word
+        return nobreak(word) if any(c.isdigit() for c in word) else word
 
     return "\n".join(MODEL_NAME.sub(name, line) if line.startswith("|") else line
                       for line in table_md.split("\n"))

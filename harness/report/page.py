@@ -678,18 +678,18 @@ def run_sections(data: dict, plots: list[str] | None = None):
                  "missing: " + ", ".join(f"`{m}`" for m in data["missing"]), ""]
     for f in data["failures"]:
         head += [f"> **Failed:** {f['model_key']} at {f['step']}: {f['error']}", ""]
-    out = [Section("intro", _lines(head))]
+    out = [Section.of("intro", head)]
     if data.get("findings"):
-        out.append(Section("findings", _lines(["## Findings", ""] + [
-            f"- {line}" for line in data["findings"]] + [""])))
+        out.append(Section.of("findings", ["## Findings", ""] + [
+            f"- {line}" for line in data["findings"]] + [""]))
     out += _table_sections(data, list(plots or []))
-    out += [Section("method", _lines(["## Method", "", data["method"], ""])),
-            Section("environment", _lines(["## Environment", "", *env_lines(env), ""])),
-            Section("reproduce", _lines([
+    out += [Section.of("method", ["## Method", "", data["method"], ""]),
+            Section.of("environment", ["## Environment", "", *env_lines(env), ""]),
+            Section.of("reproduce", [
                 "## Reproduce", "", "```sh", f"harness run {s.get('path', 'SCENARIO')}", "```",
                 "", f"Scenario SHA-256 `{s.get('sha256')}`. Model files are rebuilt "
                 "byte-identically from the specs and seed; numbers will differ on another "
-                "machine, and by a few percent between runs on this one.", ""]))]
+                "machine, and by a few percent between runs on this one.", ""])]
     return FullPage(s.get("title") or s.get("name", "Run"), tuple(out))
 
 
@@ -705,23 +705,20 @@ def _table_sections(data: dict, plots: list[str]) -> list:
         if levers and t.name == levers[0]:
             out += _rest_plots(rest)
             rest = []
-            out.append(Section("levers", _lines(["## Levers", ""])))
+            out.append(Section.of("levers", ["## Levers", ""]))
         lines = [markdown_table(t), ""]
         if t.name == "decode" and data["fits"]:
             lines += _fit_lines(data["fits"])
         if t.name in placed:
             lines += _plot_line(placed[t.name])
-        out.append(Section(t.name, _lines(lines)))
+        out.append(Section.of(t.name, lines))
     return out + _rest_plots(rest)
 
 
 def _rest_plots(plots: list[str]) -> list:
-    return [Section("plots", _lines([line for p in plots for line in _plot_line(p)]))] \
+    return [Section.of("plots", [line for p in plots for line in _plot_line(p)])] \
         if plots else []
 
-
-def _lines(lines: list[str]) -> str:
-    return "\n".join(lines)
 
 
 def render_markdown(data: dict, plots: list[str] | None = None) -> str:

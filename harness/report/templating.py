@@ -27,6 +27,11 @@ class Section:
     name: str
     markdown: str
 
+    @classmethod
+    def of(cls, name: str, lines: list[str]) -> Section:
+        """A section from its lines."""
+        return cls(name, "\n".join(lines))
+
 
 @dataclass(frozen=True)
 class FullPage:

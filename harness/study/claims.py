@@ -172,6 +172,14 @@ def _batching(claim: dict, analysis: dict, env: dict) -> dict:
                          "the price of it" + _undecided(out)}
 
 
+def first_token_steps(decode: dict, prefill: dict) -> dict:
+    """A prompt's time to its first token in decode steps of the same model: prefill seconds
+    ÷ seconds per step = n_prompt × decode tok/s ÷ prefill tok/s, round by round where both
+    ran (the drift cancels), else their medians, unpaired."""
+    return scaled(contrast(row_blocks(decode), row_blocks(prefill))
+                  or unpaired(decode["tok_s"], prefill["tok_s"]), prefill["n_prompt"])
+
+
 def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
     pre = [r for r in analysis["prefill"] if r["n_gen"] == 0]
     dec = analysis["decode"]
@@ -181,10 +189,7 @@ def _long_prompt(claim: dict, analysis: dict, env: dict) -> dict:
     same = [d for d in dec if (d["model"], d["dtype"]) == (longest["model"], longest["dtype"])]
     if not same:
         return _not_measured("needs decode of the model of the longest prompt")
-    # steps = prefill seconds ÷ seconds per step = n_prompt × decode tok/s ÷ prefill tok/s,
-    # round by round where both ran (the drift cancels), else their medians, unpaired
-    steps = scaled(contrast(row_blocks(same[0]), row_blocks(longest))
-                   or unpaired(same[0]["tok_s"], longest["tok_s"]), longest["n_prompt"])
+    steps = first_token_steps(same[0], longest)
     out = _verdict([("decode steps in the first token's time", steps, claim["min_tokens"],
                      None)])
     ms = 1000 / center(same[0]["tok_s"])
@@ -241,6 +246,15 @@ def workload_rows(analysis: dict) -> list[dict]:
 BEYOND = 2.0  # a modelled prompt more than 2x the longest measured one decides nothing
 
 
+def beyond_measured(analysis: dict, row: dict) -> float | None:
+    """A workload row's prompt ÷ the longest prompt its configuration measured, where that is
+    more than BEYOND (too far to model), else None."""
+    longest = max((p["n_prompt"] for p in analysis["prefill"] if p["n_gen"] == 0
+                   and (p["model"], p["dtype"], p["threads"])
+                   == (row["model"], row["dtype"], row["threads"])), default=0)
+    return row["n_prompt"] / longest if longest and row["n_prompt"] > BEYOND * longest else None
+
+
 def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
     """Each named workload's prefill share of its time on the run's main configuration, above
     or below one half; a workload whose prompt lies more than BEYOND x past the longest prompt
@@ -249,9 +263,6 @@ def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
     if not rows:
         return _not_measured("no workload rows: the run needs prefill and decode of one model")
     main = {r["workload"].lower(): r for r in rows}
-    longest = max((p["n_prompt"] for p in analysis["prefill"] if p["n_gen"] == 0
-                   and (p["model"], p["dtype"], p["threads"])
-                   == (rows[0]["model"], rows[0]["dtype"], rows[0]["threads"])), default=0)
     parts, text, missing, beyond, modelled = [], [], [], [], False
     for side, names in (("prefill", claim["prefill_bound"]), ("decode", claim["decode_bound"])):
         for name in (n.strip() for n in names.split(";") if n.strip()):
@@ -259,9 +270,9 @@ def _workload_balance(claim: dict, analysis: dict, env: dict) -> dict:
             if row is None:
                 missing.append(name)
                 continue
-            if longest and row["n_prompt"] > BEYOND * longest:
-                beyond.append(f"{row['workload']} ({row['n_prompt'] / longest:.1f}× the "
-                              f"longest prompt measured, {longest:,} tokens)")
+            if past := beyond_measured(analysis, row):
+                beyond.append(f"{row['workload']} ({past:.1f}× the longest prompt measured, "
+                              f"{row['n_prompt'] / past:,.0f} tokens)")
                 continue
             share = {"n": 1, "median": row["prefill_share"],
                      "median_ci95": row.get("prefill_share_ci")}
