@@ -333,3 +333,14 @@ def test_a_one_token_answer_spends_no_time_in_decode():
     rows = [w for w in analysis_of(records)["workloads"] if w["n_gen"] == 1]
     assert rows and all(w["decode_s"] == 0 and w["prefill_share"] == 1 for w in rows)
     assert all(w["decode_s"] > 0 for w in analysis_of(records)["workloads"] if w["n_gen"] > 1)
+
+
+def test_a_published_figure_reads_the_same_in_either_unit():
+    from harness.core.reference import published_decode_tok_s, published_prefill
+
+    assert published_decode_tok_s({"ms_per_token": 80}) == 12.5
+    assert published_decode_tok_s({"decode_tok_s": 11.66, "ms_per_token": 86}) == 11.66
+    assert published_decode_tok_s({"size_gib": 1.84}) is None
+    assert published_prefill({"prompt": 128, "prefill_s": 0.64}) == (200.0, 0.64)
+    assert published_prefill({"prompt": 1024, "prefill_tok_s": 256}) == (256, 4.0)
+    assert published_prefill({"prompt": 128, "decode_tok_s": 9.0}) is None

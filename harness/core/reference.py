@@ -125,6 +125,23 @@ def _claim(doc: Doc, path: tuple, value: object) -> dict:
     return out
 
 
+def published_decode_tok_s(figure: dict) -> float | None:
+    """A published figure's decode tok/s, given as such or as ms per token; None without."""
+    if figure.get("decode_tok_s"):
+        return figure["decode_tok_s"]
+    return 1000 / figure["ms_per_token"] if figure.get("ms_per_token") else None
+
+
+def published_prefill(figure: dict) -> tuple[float, float] | None:
+    """A published prefill figure as (tok/s, seconds) of its prompt, whichever it gave;
+    None for a figure without a prefill number."""
+    tok_s = figure.get("prefill_tok_s") or (figure["prompt"] / figure["prefill_s"]
+                                            if figure.get("prefill_s") else None)
+    if tok_s is None:
+        return None
+    return tok_s, figure.get("prefill_s") or figure["prompt"] / tok_s
+
+
 def reference_from_header(header) -> dict | None:
     """The block a run stored (header: a run's Header record), or None (runs of scenarios
     without one, and serving runs)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..analysis.machine import regime_sentences
 from ..core.costs import kv_n_bytes_per_token, kv_type_bytes_per_element
+from ..core.reference import published_decode_tok_s, published_prefill
 from ..core.specs import ModelSpec
 from ..core.stats import center
 from ..study.claims import beyond_measured, check_claims, first_token_steps, workload_rows
@@ -364,10 +365,8 @@ def _prefill_rows(a: dict, main: tuple | None, figures: list[dict]) -> tuple[Pre
     out = []
     for r in sorted((r for r in rows_of(a["prefill"], main) if r["n_gen"] == 0),
                     key=lambda r: r["n_prompt"]):
-        f = published.get(r["n_prompt"], {})
-        pub_tok_s = f.get("prefill_tok_s") or (r["n_prompt"] / f["prefill_s"]
-                                               if f.get("prefill_s") else None)
-        pub_s = f.get("prefill_s") or (r["n_prompt"] / pub_tok_s if pub_tok_s else None)
+        f = published.get(r["n_prompt"])
+        pub_tok_s, pub_s = (f and published_prefill(f)) or (None, None)
         tok_s = Figure.of(r["tok_s"])
         flop_per_token = r["flops"] / r["n_prompt"] if r.get("flops") else None
         out.append(PrefillRow(r["n_prompt"], r["seconds"], tok_s, tok_s.inverse(1000), pub_s,
@@ -384,14 +383,13 @@ def _size_ids(a: dict) -> set[str]:
 
 def _decode_rows(a: dict, figures: list[dict]) -> tuple[DecodeRow, ...]:
     ids = _size_ids(a)
-    published = {f["model"]: f for f in figures if f["dtype"] == "f32" and (
-        f.get("decode_tok_s") or f.get("ms_per_token"))}
+    published = {f["model"]: f for f in figures if f["dtype"] == "f32"
+                 and published_decode_tok_s(f)}
     out = []
     for r in sorted((r for r in a["decode"] if r["id"] in ids),
                     key=lambda r: r["bytes_per_token"]):
         f = published.get(r["model"], {})
-        pub = f.get("decode_tok_s") or (1000 / f["ms_per_token"] if f.get("ms_per_token")
-                                        else None)
+        pub = published_decode_tok_s(f)
         share = Figure.of(r.get("share_of_stream_ci")) or (
             Figure(r["share_of_stream"]) if r.get("share_of_stream") else None)
         tok_s = Figure.of(r["tok_s"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from ..core.records import to_dict
+from ..core.reference import published_decode_tok_s, published_prefill
 from ..core.stats import center, inverse
 from ..levers.common import threads_label
 from ..levers.twins import twin_table
@@ -177,7 +178,7 @@ def _figure_row(f: dict, a: dict, env: dict, ref: dict) -> dict:
     if "prompt" in f:
         return _prefill_figure(f, a, ref)
     rows = [r for r in a["decode"] if r["model"] == f["model"] and r["dtype"] == f["dtype"]]
-    published = f.get("decode_tok_s") or 1000 / f["ms_per_token"]
+    published = published_decode_tok_s(f)
     measured = center(rows[0]["tok_s"]) if rows else None
     return {"model": f["model"], "what": "decode (tok/s)", "published": f"{published:.2f}",
             "measured": f"{measured:.2f}" if measured else "not measured",
@@ -190,8 +191,7 @@ def _prefill_figure(f: dict, a: dict, ref: dict) -> dict:
     compute per core here and there, and the long prompt's slowdown against the model's."""
     rows = [r for r in a["prefill"] if r["model"] == f["model"] and r["dtype"] == f["dtype"]
             and r["n_gen"] == 0 and r["n_prompt"] == f["prompt"]]
-    published = f.get("prefill_tok_s") or f["prompt"] / f["prefill_s"]
-    published_s = f.get("prefill_s") or f["prompt"] / published
+    published, published_s = published_prefill(f)
     out = {"model": f["model"], "what": f"prefill {f['prompt']:,} tokens",
            "published": f"{published_s:.2f} s ({published:.0f} tok/s)",
            "measured": "not measured", "ratio": None, "why": "–"}
@@ -232,8 +232,8 @@ def _slowdown_why(f: dict, r: dict, a: dict, ref: dict) -> list[str]:
     here = per_token(p["measured_s"], p["n_prompt"]) / per_token(b["measured_s"], b["n_prompt"])
     model = (per_token(p["predicted_s"], p["n_prompt"])
              / per_token(b["predicted_s"], b["n_prompt"]))
-    pub = lambda g: g.get("prefill_s") or g["prompt"] / g["prefill_tok_s"]  # noqa: E731
-    there = per_token(pub(f), f["prompt"]) / per_token(pub(base), base["prompt"])
+    there = (per_token(published_prefill(f)[1], f["prompt"])
+             / per_token(published_prefill(base)[1], base["prompt"]))
     return [f"per token, {f['prompt']:,} tokens took {here:.2f}× the time of "
             f"{base['prompt']:,} here (the attention model predicts {model:.2f}×: attention "
             f"is {p['attention_flop_share']:.0%} of the FLOPs at "

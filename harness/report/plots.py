@@ -8,6 +8,7 @@ from pathlib import Path
 from ..analysis.ceilings import is_plain
 from ..analysis.phases import longest_decodes
 from ..core.records import Measurement
+from ..core.reference import published_decode_tok_s
 from ..core.stats import center
 from ..levers import write_lever_plots
 from ..render.plotkit import ci_errors, plain_log2, plain_log_x, plain_log_y, plt, save
@@ -79,8 +80,7 @@ def _published_points(reference: dict | None) -> list[tuple[float, float, str]]:
     """(GB per token, tok/s, model) of a reference block's decode figures that give a size."""
     out = []
     for f in (reference or {}).get("figures") or []:
-        tok_s = f.get("decode_tok_s") or (1000 / f["ms_per_token"] if f.get("ms_per_token")
-                                          else None)
+        tok_s = published_decode_tok_s(f)
         gb = (f["effective_gb_s"] / tok_s if f.get("effective_gb_s") and tok_s else
               f["size_gib"] * 2**30 / 1e9 if f.get("size_gib") else None)
         if tok_s and gb:
