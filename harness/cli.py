@@ -735,6 +735,79 @@ def estimate(run_dir: Path | None, model: str | None, dtype: str, context: int, 
 
 
 @cli.command()
+@click.argument("model")
+@click.option("--dtype", default="f32", show_default=True,
+              help="Weight type to build (a .gguf file keeps its own).")
+@click.option("--context", "n_ctx", default=4096, show_default=True, type=int,
+              help="Tokens each sequence's cache holds.")
+@click.option("--kv-type", default="f16", show_default=True,
+              help="KV cache type: f32, f16, q8_0 or q4_0.")
+@click.option("--parallel", "n_seq", default=1, show_default=True, type=int,
+              help="Sequences, each with a cache of --context tokens.")
+@click.option("--mmap", type=click.Choice(["both", "on", "off"]), default="both",
+              show_default=True, help="Load with mmap on, off, or both (one process each).")
+@click.option("--fill", is_flag=True,
+              help="Prefill every sequence to its context before the last reading.")
+@click.option("--ram", help="Memory the users must fit in, e.g. 16GB (default: available RAM).")
+@click.option("--hardware", help="Fit the users in a catalogue machine's memory instead "
+                                 "(harness estimate --list-hardware).")
+@click.option("--threads", type=click.IntRange(1, 4096), default=None,
+              help="Threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def memory(model: str, dtype: str, n_ctx: int, kv_type: str, n_seq: int, mmap: str,
+           fill: bool, ram: str | None, hardware: str | None, threads: int | None,
+           as_json: bool) -> None:
+    """What MODEL (a name, a spec file or a .gguf) and its KV cache take once llama.cpp has
+    loaded them: each formula beside llama.cpp's buffers and the resident memory, and how many
+    users fit."""
+    from .engine.env import physical_cores
+    from .report.memory import (
+        Request,
+        check_request,
+        memory_json,
+        ram_budget,
+        render_memory,
+        run_memory,
+    )
+
+    spec, dtype_name, path = _model_file(model, dtype)
+    kv_type = kv_type.lower()
+    check_request(spec, n_ctx, n_seq, kv_type)
+    budget = ram_budget(ram, hardware)
+    if path is None:
+        path = _build_quietly(spec, dtype_name)
+    from .weights.gguf_inspect import tensor_table
+
+    req = Request(spec, dtype_name, path, n_ctx, n_seq, kv_type, threads or physical_cores(),
+                  {"both": (True, False), "on": (True,), "off": (False,)}[mmap], fill)
+    m = run_memory(req, budget, tensor_table(path))
+    click.echo(json.dumps(memory_json(m), indent=1) if as_json else render_memory(m), nl=False)
+
+
+def _model_file(model: str, dtype: str):
+    """A model argument as (spec, type name, file or None to build)."""
+    from .core.dtypes import get_dtype
+    from .core.specs import resolve_spec
+
+    if model.endswith(".gguf"):
+        from .engine.build import check_gguf_file
+        from .weights.gguf_inspect import spec_from_gguf
+
+        path = Path(model)
+        check_gguf_file(path)
+        return spec_from_gguf(path), "file", path
+    return resolve_spec(model), get_dtype(dtype, key="--dtype").name, None
+
+
+def _build_quietly(spec, dtype_name: str) -> Path:
+    from .core.dtypes import get_dtype
+    from .engine.build import build as build_model
+
+    with _ByteProgress(f"building {spec.name} {dtype_name}") as bar:
+        return build_model(spec, get_dtype(dtype_name), 0, progress=bar.update).path
+
+
+@cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the markdown here instead of printing it.")

@@ -70,6 +70,11 @@ def gb(n_bytes: float | None, digits: int = 2) -> str:
     return "–" if n_bytes is None else f"{n_bytes / 1e9:.{digits}f} GB"
 
 
+def mib(value: float | None, digits: int = 2) -> str:
+    """Mebibytes (2²⁰ bytes), as llama.cpp logs its buffers: 327.83 MiB."""
+    return "–" if value is None else f"{value:,.{digits}f} MiB"
+
+
 def seconds(value: float | None) -> str:
     """A duration: 46.5 s, 0.99 s, 83 ms."""
     if value is None:
@@ -103,7 +108,7 @@ def nobreak(name: str) -> str:
 
 
 FILTERS = {"nobreak": nobreak, "tok_s": tok_s, "num": num, "pct": pct, "times": times, "gb": gb,
-           "seconds": seconds, "interval": interval, "ci": with_interval}
+           "mib": mib, "seconds": seconds, "interval": interval, "ci": with_interval}
 
 
 # --- the environment -----------------------------------------------------------------------

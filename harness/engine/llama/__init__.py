@@ -11,6 +11,7 @@ from ._runtime import (
     L,
     abort_requested,
     build_problem,
+    captured_log,
     check_abort,
     clear_abort,
     first_error_since,
@@ -25,6 +26,6 @@ from .trace import GraphTrace, NodeRecord
 
 __all__ = ["DECODE_ABORTED", "L", "NO_PROBE_TYPES", "Context", "ContextParams", "GraphTrace",
            "KernelProbe", "Model", "ModelInfo", "NodeRecord", "PerfCounters", "abort_requested",
-           "build_problem", "check_abort", "clear_abort", "ctypes", "first_error_since",
-           "libc_strlen", "open_context", "quantize", "quantize_rows", "request_abort", "sys",
-           "version_info"]
+           "build_problem", "captured_log", "check_abort", "clear_abort", "ctypes",
+           "first_error_since", "libc_strlen", "open_context", "quantize", "quantize_rows",
+           "request_abort", "sys", "version_info"]

@@ -3,11 +3,13 @@ sets, the build and version it reports, quantizing a file."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import sys
 import threading
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp as L
@@ -19,6 +21,7 @@ _LOG_TAIL: deque[tuple[int, str]] = deque(maxlen=40)
 _FA_LINES: deque[str] = deque(maxlen=8)
 _ERROR_LEVEL = 4  # GGML_LOG_LEVEL_ERROR in ggml.h (NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4)
 _state = {"ready": False, "n_errors": 0}
+_CAPTURES: list[list[str]] = []  # open captured_log() blocks, each gathering every log piece
 
 # Ctrl-C must stop a long prefill within a second, but Python cannot interrupt a C call, and a
 # Python abort callback would cost ~1 us per graph node. ggml calls abort_callback(data) after
@@ -61,6 +64,10 @@ def check_abort() -> None:
 @L.llama_log_callback
 def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp keeps this pointer: the module-level name keeps the callback alive.
+    if _CAPTURES:
+        with _LOG_LOCK:
+            for pieces in _CAPTURES:
+                pieces.append(text.decode("utf-8", "replace"))
     if b"Flash Attention" in text:  # how llama.cpp resolved flash_attn "auto" for a context
         with _LOG_LOCK:
             _FA_LINES.append(text.decode("utf-8", "replace").strip())
@@ -75,6 +82,22 @@ def _init() -> None:
         L.llama_log_set(_log_callback, ctypes.c_void_p(0))
         L.llama_backend_init()
         _state["ready"] = True
+
+
+@contextlib.contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Every line llama.cpp logs inside the block (its buffer sizes are logged, not returned)."""
+    _init()
+    pieces: list[str] = []
+    lines: list[str] = []
+    with _LOG_LOCK:
+        _CAPTURES.append(pieces)
+    try:
+        yield lines
+    finally:
+        with _LOG_LOCK:
+            _CAPTURES.remove(pieces)
+        lines.extend("".join(pieces).splitlines())
 
 
 def _log_mark() -> int:

@@ -98,6 +98,7 @@ class ContextParams:
     type_v: str = "f16"
     n_seq_max: int = 1
     kv_unified: bool = False  # one cache buffer for all sequences (needed to share a prefix)
+    swa_full: bool = True  # sliding-window layers keep the full context (llama.cpp's default)
 
 
 _KV_TYPES = {"f32": L.GGML_TYPE_F32, "f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0,
@@ -125,6 +126,7 @@ class Context:
         p.n_threads = p.n_threads_batch = params.n_threads
         p.n_seq_max = params.n_seq_max
         p.kv_unified = params.kv_unified
+        p.swa_full = params.swa_full
         p.no_perf = False  # the default turns the counters off
         p.type_k, p.type_v = _KV_TYPES[params.type_k], _KV_TYPES[params.type_v]
         p.abort_callback = _ABORT_CALLBACK
