@@ -146,12 +146,15 @@ class Fit:
 
 
 def fit(spec: ModelSpec, ram_n_bytes: int, fixed_n_bytes: int, n_ctx_seq: int,
-        type_k: str = "f16", type_v: str = "f16", swa_full: bool = True) -> Fit:
-    """Sequences that fit: floor((RAM - fixed) / one sequence's cache); the longest context is
-    the largest multiple of 256 whose one-sequence cache fits."""
-    per_seq = kv_n_bytes_per_sequence(spec, n_ctx_seq, type_k, type_v, swa_full)
+        type_k: str = "f16", type_v: str = "f16", swa_full: bool = True,
+        output_n_bytes_per_sequence: int = 0) -> Fit:
+    """Sequences that fit: floor((RAM - fixed) / (one sequence's cache and its logits)); the
+    longest context is the largest multiple of 256 whose one-sequence cache fits."""
+    per_seq = (kv_n_bytes_per_sequence(spec, n_ctx_seq, type_k, type_v, swa_full)
+               + output_n_bytes_per_sequence)
     free = ram_n_bytes - fixed_n_bytes
     n_seq = max(0, free // per_seq) if per_seq else 0
+    free -= output_n_bytes_per_sequence
     per_token = kv_n_bytes_per_sequence(spec, CTX_PAD, type_k, type_v, swa_full=True) / CTX_PAD
     limit = spec.max_position_embeddings
     longest = 0 if free <= 0 else int(free // per_token) // CTX_PAD * CTX_PAD

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 
 from ..analysis.estimates import HARDWARE
-from ..analysis.memory import Memory, fixed_n_bytes, load_of, memory
+from ..analysis.memory import Memory, fixed_n_bytes, load_of, memory, output_n_bytes_per_sequence
 from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, kv_block_size
 from ..core.errors import HarnessError
 from ..core.memory import MIB, fit, kv_plan, pad
@@ -99,11 +99,15 @@ def check_fits(req: Request, ram: tuple[int, str]) -> None:
         return
     probe = measure_in_fresh_process(req.path, context_params(req, 1), min(req.mmap), False,
                                      prefill=False)
-    fixed = fixed_n_bytes((load_of(probe),))
+    load = load_of(probe)
+    fixed, output = fixed_n_bytes((load,)), output_n_bytes_per_sequence(load)
     kv = kv_plan(req.spec, req.n_ctx * req.n_seq, req.n_seq, req.kv_type, req.kv_type).n_bytes
+    kv += output * req.n_seq
     if fixed + kv > ram[0]:
-        most = fit(req.spec, ram[0], fixed, pad(req.n_ctx), req.kv_type, req.kv_type).n_sequences
-        raise HarnessError(f"{req.n_seq} sequences need {kv / MIB:,.0f} MiB of KV cache beside "
+        most = fit(req.spec, ram[0], fixed, pad(req.n_ctx), req.kv_type, req.kv_type,
+                   output_n_bytes_per_sequence=output).n_sequences
+        raise HarnessError(f"{req.n_seq} sequences need {kv / MIB:,.0f} MiB of KV cache and "
+                           f"logits beside "
                            f"{fixed / MIB:,.0f} MiB of weights and buffers; {ram[1]} is "
                            f"{ram[0] / MIB:,.0f} MiB", key="--parallel",
                            fix=f"at most {most} fit; give --parallel {most} or less")
@@ -147,6 +151,7 @@ def memory_json(m: Memory) -> dict:
         "loads": [_load_json(ld) for ld in m.loads],
         "fit": {"ram_n_bytes": m.ram_n_bytes, "ram_from": m.ram_from,
                 "fixed_n_bytes": m.fixed_n_bytes,
+                "output_n_bytes_per_sequence": m.output_n_bytes_per_sequence,
                 "rows": [{"kv_type": r.kv_type, "n_bytes_per_token": r.n_bytes_per_token}
                          | ({"n_sequences": r.fit.n_sequences,
                              "per_sequence_n_bytes": r.fit.per_sequence_n_bytes,
