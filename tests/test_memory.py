@@ -228,3 +228,11 @@ def test_a_parallel_count_that_does_not_fit_is_refused_before_it_is_allocated(ru
                    "64MB", "--parallel", str(most - 1), "--json")
     assert fits.exit_code == 0, fits.stderr
     assert json.loads(fits.stdout)["context"]["n_seq"] == most - 1
+
+
+def test_the_page_names_the_sliding_window_and_the_resident_cache(run_cli):
+    text = run_cli("memory", "tiny-gemma2", "--context", "1000", "--mmap", "on").stdout
+    assert "slides a window of 64 tokens over 1 of its 2 layers" in text
+    assert "at the full context (swa_full, its default)" in text
+    assert "1,024 cells for the 1,000 asked (it rounds" in text
+    assert "| sliding window | 1 | 1,024 | 1 |" in text
