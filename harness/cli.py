@@ -240,19 +240,13 @@ def _serve(plan, out: Path, cache_dir: Path | None, resume: bool) -> None:
 
 def _served_model(model: str, dtype: str, cache_dir: Path | None) -> tuple[Path, int]:
     """The file to serve and its vocabulary size (prompts are random ids below it)."""
-    from .engine.build import build as build_model
-    from .engine.build import check_gguf_file
-    from .weights.gguf_inspect import spec_from_gguf
-
-    if model.endswith(".gguf"):
-        check_gguf_file(Path(model))
-        return Path(model), spec_from_gguf(Path(model)).vocab_size
     from .core.dtypes import get_dtype
-    from .core.specs import resolve_spec
+    from .engine.build import build as build_model
 
-    spec = resolve_spec(model)
-    return build_model(spec, get_dtype(dtype, key="--dtype"), directory=cache_dir).path, \
-        spec.vocab_size
+    spec, dtype_name, path = _model_file(model, dtype)
+    if path is None:
+        path = build_model(spec, get_dtype(dtype_name), directory=cache_dir).path
+    return path, spec.vocab_size
 
 
 @cli.command()
@@ -267,11 +261,9 @@ def build(model: str, dtype: str, out: Path | None, seed: int, cache_dir: Path |
     """Write a random-weight GGUF of MODEL (a spec name or spec file) and print its path."""
     from .core.dtypes import get_dtype
     from .core.specs import resolve_spec
-    from .engine.build import build as build_model
 
     spec, kind = resolve_spec(model), get_dtype(dtype, key="--dtype")
-    with _ByteProgress(f"building {spec.name} {kind.name}") as bar:
-        built = build_model(spec, kind, seed, directory=cache_dir, out=out, progress=bar.update)
+    built = _build_with_progress(spec, kind.name, seed, cache_dir, out)
     note = "cached" if built.cached else f"built in {built.seconds:.1f} s"
     click.echo(f"{built.path}", nl=True)
     click.echo(f"{spec.name} {kind.name}: {built.n_bytes / 2**30:.3f} GiB, {note}", err=True)
@@ -497,22 +489,15 @@ def routing(model: str, dtype: str, prompt: int, generate: int, threads: int, se
             cache_dir: Path | None) -> None:
     """Which experts MODEL's tokens pick, per layer (a mixture of experts: spec or .gguf)."""
     from .core.dtypes import get_dtype
-    from .core.specs import resolve_spec
     from .engine.build import build as build_model
-    from .engine.build import check_gguf_file
     from .engine.env import physical_cores
     from .engine.routing import expert_selections, routing_stats
     from .levers.experts import routing_table
     from .render.tabular import markdown_table
-    from .weights.gguf_inspect import spec_from_gguf
 
-    if model.endswith(".gguf"):
-        check_gguf_file(Path(model))
-        path, spec = Path(model), spec_from_gguf(Path(model))
-    else:
-        spec = resolve_spec(model)
-        path = build_model(spec, get_dtype(dtype, key="--dtype"), seed,
-                           directory=cache_dir).path
+    spec, dtype_name, path = _model_file(model, dtype)
+    if path is None:
+        path = build_model(spec, get_dtype(dtype_name), seed, directory=cache_dir).path
     if not spec.is_moe:
         raise HarnessError(f"{spec.name} has no experts", key="MODEL",
                            fix="name a mixture of experts, e.g. granite-3.0-1b-a400m")
@@ -775,7 +760,7 @@ def memory(model: str, dtype: str, n_ctx: int, kv_type: str, n_seq: int, mmap: s
     check_request(spec, n_ctx, n_seq, kv_type)
     budget = ram_budget(ram, hardware)
     if path is None:
-        path = _build_quietly(spec, dtype_name)
+        path = _build_with_progress(spec, dtype_name).path
     from .weights.gguf_inspect import tensor_table
 
     req = Request(spec, dtype_name, path, n_ctx, n_seq, kv_type, threads or physical_cores(),
@@ -785,7 +770,8 @@ def memory(model: str, dtype: str, n_ctx: int, kv_type: str, n_seq: int, mmap: s
 
 
 def _model_file(model: str, dtype: str):
-    """A model argument as (spec, type name, file or None to build)."""
+    """A MODEL argument (a .gguf file, a spec name or a spec file) as (spec, type name, the
+    file, or None where it is still to build at that type), checked before anything is built."""
     from .core.dtypes import get_dtype
     from .core.specs import resolve_spec
 
@@ -799,12 +785,15 @@ def _model_file(model: str, dtype: str):
     return resolve_spec(model), get_dtype(dtype, key="--dtype").name, None
 
 
-def _build_quietly(spec, dtype_name: str) -> Path:
+def _build_with_progress(spec, dtype_name: str, seed: int = 0, cache_dir: Path | None = None,
+                         out: Path | None = None):
+    """The cached file of spec at a type, built with a progress bar where it is missing."""
     from .core.dtypes import get_dtype
     from .engine.build import build as build_model
 
     with _ByteProgress(f"building {spec.name} {dtype_name}") as bar:
-        return build_model(spec, get_dtype(dtype_name), 0, progress=bar.update).path
+        return build_model(spec, get_dtype(dtype_name), seed, directory=cache_dir, out=out,
+                           progress=bar.update)
 
 
 @cli.command()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.costs import TensorEntry, kv_n_bytes_per_token
-from ..core.dtypes import KV_CACHE_TYPES, kv_block_size
+from ..core.dtypes import KV_CACHE_TYPES, kv_block_problem
 from ..core.memory import MIB, Fit, KvPlan, WeightType, fit, kv_plan, weight_types
 from ..core.specs import ModelSpec
 from ..engine.footprint import Footprint, LoggedCache
@@ -129,11 +129,10 @@ def fit_rows(spec: ModelSpec, ram_n_bytes: int, fixed_n_bytes: int, n_ctx_seq: i
     """Users of n_ctx_seq tokens that fit, and one user's longest context, per cache type."""
     rows = []
     for kv_type in FIT_KV_TYPES:
-        block = kv_block_size(kv_type)
         per_token = round(kv_n_bytes_per_token(spec, kv_type, kv_type))
-        if spec.head_dim % block:
-            rows.append(FitRow(kv_type, per_token, None, f"head size {spec.head_dim} is not a "
-                                                         f"multiple of its blocks of {block}"))
+        problem = kv_block_problem(kv_type, spec.head_dim, spec.name)
+        if problem:
+            rows.append(FitRow(kv_type, per_token, None, problem))
             continue
         rows.append(FitRow(kv_type, per_token, fit(
             spec, ram_n_bytes, fixed_n_bytes, n_ctx_seq, kv_type, kv_type,
@@ -163,15 +162,14 @@ def memory(spec: ModelSpec, dtype: str, path: str, table: list[TensorEntry], n_c
     plan = kv_plan(spec, n_ctx * n_seq, n_seq, type_k, type_v, unified=first.params.kv_unified,
                    swa_full=first.params.swa_full, n_ubatch=first.params.n_ubatch)
     loads = tuple(load_of(f) for f in footprints)
-    fixed = fixed_n_bytes(loads)
+    fixed, output = fixed_n_bytes(loads), output_n_bytes_per_sequence(loads[0])
     weights = tuple(weight_types(table))
     return Memory(spec, dtype, path, n_ctx, n_seq, type_k, type_v, weights,
                   sum(w.n_params for w in weights), sum(w.formula_n_bytes for w in weights),
                   sum(t.n_bytes for t in table),
                   round(kv_n_bytes_per_token(spec, type_k, type_v)), KvCheck(plan, first.caches),
-                  loads, ram[0], ram[1], fixed, output_n_bytes_per_sequence(loads[0]),
-                  fit_rows(spec, ram[0], fixed, plan.n_ctx_seq,
-                           output_n_bytes_per_sequence(loads[0])), seconds)
+                  loads, ram[0], ram[1], fixed, output,
+                  fit_rows(spec, ram[0], fixed, plan.n_ctx_seq, output), seconds)
 
 
 assert set(FIT_KV_TYPES) <= set(KV_CACHE_TYPES)

@@ -205,14 +205,20 @@ def kv_type_bytes_per_element(type_name: str) -> float:
     return size / block
 
 
+def kv_n_bytes_per_layer_token(spec: ModelSpec, type_k: str = "f16",
+                               type_v: str = "f16") -> float:
+    """K and V of one layer for one token: kv_heads × head_dim × (k + v bytes per element)."""
+    per_element = kv_type_bytes_per_element(type_k) + kv_type_bytes_per_element(type_v)
+    return spec.kv_dim * per_element
+
+
 def kv_n_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16") -> float:
     """K and V of every layer for one token: layers × kv_heads × head_dim × (k + v bytes).
 
     This is what a token adds to the cache and what each later decode step reads back per
     token of context (llama.cpp stores K and V per layer at n_head_kv × head_dim).
     """
-    per_element = kv_type_bytes_per_element(type_k) + kv_type_bytes_per_element(type_v)
-    return spec.num_hidden_layers * spec.kv_dim * per_element
+    return spec.num_hidden_layers * kv_n_bytes_per_layer_token(spec, type_k, type_v)
 
 
 def decode_n_bytes_per_token(weight_n_bytes: float, kv_n_bytes_per_token: float,

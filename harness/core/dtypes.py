@@ -76,3 +76,13 @@ KV_NEEDS_FLASH_ATTN = ("q8_0", "q4_0")
 def kv_block_size(name: str) -> int:
     """Elements per block of a KV cache type: a head's K and V rows must be a multiple."""
     return GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]][0]
+
+
+def kv_block_problem(kv_type: str, head_dim: int, model_name: str) -> str | None:
+    """Why a cache of this type cannot hold this model's heads (its blocks must divide a head's
+    K and V rows), or None."""
+    block = kv_block_size(kv_type)
+    if head_dim % block:
+        return (f"a {kv_type} KV cache stores blocks of {block}, which do not divide "
+                f"{model_name}'s head size {head_dim}")
+    return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .costs import TensorEntry, kv_type_bytes_per_element
+from .costs import TensorEntry, kv_n_bytes_per_layer_token, kv_n_bytes_per_token
 from .specs import ModelSpec
 
 MIB = 1 << 20
@@ -96,12 +96,6 @@ class KvPlan:
         return sum(c.n_bytes for c in self.caches)
 
 
-def kv_bytes_per_layer_token(spec: ModelSpec, type_k: str, type_v: str) -> int:
-    """K and V of one layer for one token: kv_heads × head_size × (k + v bytes per element)."""
-    per_element = kv_type_bytes_per_element(type_k) + kv_type_bytes_per_element(type_v)
-    return round(spec.kv_dim * per_element)
-
-
 def kv_plan(spec: ModelSpec, n_ctx: int, n_seq: int = 1, type_k: str = "f16",
             type_v: str = "f16", unified: bool = False, swa_full: bool = True,
             n_ubatch: int = N_UBATCH) -> KvPlan:
@@ -110,7 +104,7 @@ def kv_plan(spec: ModelSpec, n_ctx: int, n_seq: int = 1, type_k: str = "f16",
     min(that, window × sequences sharing a stream + n_ubatch), padded, unless swa_full."""
     n_ctx_seq = pad(n_ctx) if unified else pad(math.ceil(n_ctx / n_seq))
     n_streams = 1 if unified else n_seq
-    per_layer = kv_bytes_per_layer_token(spec, type_k, type_v)
+    per_layer = round(kv_n_bytes_per_layer_token(spec, type_k, type_v))
     sliding = swa_layers(spec)
     n_swa = sum(sliding)
     caches = []
@@ -155,7 +149,7 @@ def fit(spec: ModelSpec, ram_n_bytes: int, fixed_n_bytes: int, n_ctx_seq: int,
     free = ram_n_bytes - fixed_n_bytes
     n_seq = max(0, free // per_seq) if per_seq else 0
     free -= output_n_bytes_per_sequence
-    per_token = kv_n_bytes_per_sequence(spec, CTX_PAD, type_k, type_v, swa_full=True) / CTX_PAD
+    per_token = kv_n_bytes_per_token(spec, type_k, type_v)  # every layer at full size
     limit = spec.max_position_embeddings
     longest = 0 if free <= 0 else int(free // per_token) // CTX_PAD * CTX_PAD
     # a sliding-window cache stops growing: step down from the trained context when it fits

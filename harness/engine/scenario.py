@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core.cell import CellId
-from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_size
+from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, get_dtype, kv_block_problem
 from ..core.errors import HarnessError
 from ..core.options import PAGE_TEMPLATES
 from ..core.reference import load_reference
@@ -554,11 +554,10 @@ def _check_lever(doc: Doc, path: tuple, m: Measurement) -> None:
         raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache needs flash "
                         "attention (llama.cpp dequantizes V inside it)",
                         fix="set flash_attn: true (or auto), or use kv_cache_type: f16")
-    block = kv_block_size(m.kv_type)
-    if m.model.head_dim % block:
-        raise doc.error(path + ("kv_cache_type",), f"a {m.kv_type} KV cache stores blocks of "
-                        f"{block}, which do not divide {m.model.label}'s head size "
-                        f"{m.model.head_dim}", fix="use kv_cache_type: f16 for this model")
+    problem = kv_block_problem(m.kv_type, m.model.head_dim, m.model.label)
+    if problem:
+        raise doc.error(path + ("kv_cache_type",), problem,
+                        fix="use kv_cache_type: f16 for this model")
     if m.parallel > 1 and (m.depth or m.shared_prefix):
         raise doc.error(path + ("parallel",), "parallel sequences cannot be combined with "
                         "depth or shared_prefix in one test", fix="measure them in separate tests")

@@ -12,9 +12,9 @@ import psutil
 
 from ..analysis.estimates import HARDWARE
 from ..analysis.memory import Memory, fixed_n_bytes, load_of, memory, output_n_bytes_per_sequence
-from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, kv_block_size
+from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, kv_block_problem
 from ..core.errors import HarnessError
-from ..core.memory import MIB, fit, kv_plan, pad
+from ..core.memory import MIB, fit, pad
 from ..core.specs import ModelSpec
 from ..engine.footprint import measure_in_fresh_process
 from ..engine.llama import ContextParams
@@ -78,11 +78,9 @@ def check_request(spec: ModelSpec, n_ctx: int, n_seq: int, kv_type: str) -> None
     if kv_type not in KV_CACHE_TYPES:
         raise HarnessError(f"unknown KV cache type {kv_type!r}", key="--kv-type",
                            fix="one of " + ", ".join(KV_CACHE_TYPES))
-    block = kv_block_size(kv_type)
-    if spec.head_dim % block:
-        raise HarnessError(f"a {kv_type} cache stores blocks of {block}, which do not divide "
-                           f"{spec.name}'s head size {spec.head_dim}", key="--kv-type",
-                           fix="use --kv-type f16 for this model")
+    problem = kv_block_problem(kv_type, spec.head_dim, spec.name)
+    if problem:
+        raise HarnessError(problem, key="--kv-type", fix="use --kv-type f16 for this model")
 
 
 def context_params(req: Request, n_seq: int) -> ContextParams:
@@ -100,12 +98,11 @@ def check_fits(req: Request, ram: tuple[int, str]) -> None:
     probe = measure_in_fresh_process(req.path, context_params(req, 1), min(req.mmap), False,
                                      prefill=False)
     load = load_of(probe)
-    fixed, output = fixed_n_bytes((load,)), output_n_bytes_per_sequence(load)
-    kv = kv_plan(req.spec, req.n_ctx * req.n_seq, req.n_seq, req.kv_type, req.kv_type).n_bytes
-    kv += output * req.n_seq
-    if fixed + kv > ram[0]:
-        most = fit(req.spec, ram[0], fixed, pad(req.n_ctx), req.kv_type, req.kv_type,
-                   output_n_bytes_per_sequence=output).n_sequences
+    fixed = fixed_n_bytes((load,))
+    room = fit(req.spec, ram[0], fixed, pad(req.n_ctx), req.kv_type, req.kv_type,
+               output_n_bytes_per_sequence=output_n_bytes_per_sequence(load))
+    if req.n_seq > room.n_sequences:
+        kv, most = room.per_sequence_n_bytes * req.n_seq, room.n_sequences
         raise HarnessError(f"{req.n_seq} sequences need {kv / MIB:,.0f} MiB of KV cache and "
                            f"logits beside "
                            f"{fixed / MIB:,.0f} MiB of weights and buffers; {ram[1]} is "
