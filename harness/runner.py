@@ -6,7 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import groupby
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from . import __version__
 from .core.costs import kv_n_bytes_per_token, model_costs
 from .core.dtypes import DTYPES, DType
 from .core.errors import EXIT_BUSY, HarnessError, MeasurementError
+from .core.memory import weight_types
+from .core.records import Footprint as FootprintRecord
 from .core.rounds import (
     contrast_pairs,
     group_by_memory,
@@ -35,7 +37,7 @@ from .engine.build import (
 from .engine.env import available_ram_bytes, physical_cores
 from .engine.measure import now_iso, round_series, window_series
 from .engine.results import SCHEMA_VERSION, RunWriter
-from .engine.scenario import Measurement, ModelRef, Scenario
+from .engine.scenario import Measurement, MemoryPlan, ModelRef, Scenario
 from .study.analyze import analyze_records
 from .weights.gguf_inspect import spec_from_gguf, tensor_table
 
@@ -90,6 +92,8 @@ def run_scenario(scenario: Scenario, writer: RunWriter, env: dict, *, strict: bo
             for group in _groups(todo, writer, console):
                 _Rounds(group, writer, scenario, strict, files, prober, console).run()
             prober.full("after", threads)
+    if scenario.memory:
+        measure_memory(scenario.memory, writer, scenario.seed, cache_dir, console)
     return analyze_records(writer.records)
 
 
@@ -587,9 +591,43 @@ def write_header(scenario: Scenario, writer: RunWriter, env: dict, argv) -> None
                      "title": scenario.title, "description": scenario.description,
                      "sha256": scenario.sha256, "text": scenario.text,
                      "reference": scenario.reference,
-                     **({"template": scenario.template} if scenario.template else {})},
+                     **({"template": scenario.template} if scenario.template else {}),
+                     **({"memory": asdict(scenario.memory)} if scenario.memory else {})},
         "plan": [m.id for m in scenario.measurements], "env": env,
     }, argv or sys.argv)
+
+
+def measure_memory(plan: MemoryPlan, writer: RunWriter, seed: int, cache_dir: Path | None,
+                   console: Console) -> None:
+    """Each load of the scenario's `memory:` block in a fresh process (mmap off: the weights
+    held once, in memory the process owns), one footprint record each; on resume, the loads
+    not yet recorded."""
+    from .engine.footprint import measure_in_fresh_process
+    from .report.memory import Request, context_params
+
+    done = {(f.model, f.dtype, f.kv_type, f.n_users)
+            for f in writer.records.of_type(FootprintRecord)}
+    for model, dtype, kv_type, users in plan.loads():
+        if (model, dtype, kv_type, users) in done:
+            continue
+        spec = resolve_spec(model)
+        path = _build(spec, DTYPES[dtype], seed, cache_dir, console)
+        request = Request(spec, dtype, path, plan.context, users, kv_type, physical_cores(),
+                          (False,), False)
+        record = {"type": "footprint", "model": model, "dtype": dtype, "kv_type": kv_type,
+                  "n_users": users, "context": plan.context, "path": str(path),
+                  "file_n_bytes": path.stat().st_size,
+                  "weights": [asdict(w) for w in weight_types(tensor_table(path))],
+                  "ram_available_n_bytes": available_ram_bytes()}
+        console.info(f"memory: {model} {dtype}, {users} × {plan.context:,} tokens of "
+                     f"{kv_type} cache")
+        try:
+            footprint = measure_in_fresh_process(path, context_params(request, users), False,
+                                                 False)
+            record["footprint"] = asdict(footprint)
+        except (HarnessError, RuntimeError, OSError) as exc:
+            record["error"] = str(exc)
+        writer.append(record | {"at": now_iso()})
 
 
 def preflight(scenario: Scenario, todo: list[Measurement], cache_dir: Path | None) -> None:
@@ -610,6 +648,11 @@ def _build_n_bytes(scenario: Scenario, todo: list[Measurement], cache_dir: Path 
             continue
         need += missing_build_n_bytes(resolve_spec(m.model.ref), DTYPES[m.model.dtype],
                                       scenario.seed, cache_dir)
+    plan = scenario.memory
+    for model, dtype in ({(m, d) for m, d, _, _ in plan.loads()} if plan else ()):
+        if f"{model}|{dtype}" not in seen:
+            need += missing_build_n_bytes(resolve_spec(model), DTYPES[dtype], scenario.seed,
+                                          cache_dir)
     return need
 
 

@@ -104,7 +104,9 @@ def test_every_record_kind_round_trips_through_its_type():
                 "repetition": {"id": "m", "round": 0, "rep": {"decode_s": [0.1]}},
                 "round": {"round": 0}, "probe": {"when": "before"},
                 "failure": {"model_key": "m|f32", "error": "x"}, "grouping": {"groups": [["a"]]},
-                "request": {"level": "c1"}, "level": {"level": "c1"}}
+                "request": {"level": "c1"}, "level": {"level": "c1"},
+                "footprint": {"model": "m", "dtype": "f32", "kv_type": "f16", "n_users": 1,
+                              "context": 256, "path": "m.gguf", "file_n_bytes": 1}}
     for kind in RECORD_TYPES:
         tag = kind.__struct_config__.tag
         record = typed({"type": tag, **required.get(tag, {})})

@@ -191,7 +191,8 @@ def test_a_lever_page_keeps_its_own_tables(run_cli, tmp_path, monkeypatch):
     from harness.levers import LEVERS
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: None)
-    assert set(PAGE_TEMPLATES) == {"lesson", "full"} | {lever.name for lever in LEVERS}
+    assert set(PAGE_TEMPLATES) == ({"lesson", "memory_lesson", "full"}
+                                   | {lever.name for lever in LEVERS})
     for lever in LEVERS:  # each lever's page names its own tables
         text = template_text(lever.name)
         assert all(f"'{name}'" in text for name in lever.table_names)

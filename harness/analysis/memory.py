@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from ..core.costs import TensorEntry, kv_n_bytes_per_token
 from ..core.dtypes import KV_CACHE_TYPES, kv_block_problem
 from ..core.memory import MIB, Fit, KvPlan, WeightType, fit, kv_plan, weight_types
@@ -173,3 +175,13 @@ def memory(spec: ModelSpec, dtype: str, path: str, table: list[TensorEntry], n_c
 
 
 assert set(FIT_KV_TYPES) <= set(KV_CACHE_TYPES)
+
+
+def footprint_of(stored: dict) -> Footprint:
+    """A footprint record's measurements as engine.footprint's type."""
+    return msgspec.convert(stored, Footprint)
+
+
+def weights_of(stored: list[dict]) -> tuple[WeightType, ...]:
+    """A footprint record's weight types as core.memory's type."""
+    return tuple(msgspec.convert(w, WeightType) for w in stored)

@@ -25,5 +25,5 @@ SERVE_FLAGS = {"prefix_cache": False, "inprocess": True, "pin_slots": True}
 # The built-in page templates (harness/report/templates): the course page, the full report and
 # one page per lever. A scenario's `template:` and `harness report --template` take one of these
 # names or a template file.
-PAGE_TEMPLATES = ("lesson", "full", "experts", "quant", "kv_depth", "batching", "threads",
-                  "prefix", "twins")
+PAGE_TEMPLATES = ("lesson", "memory_lesson", "full", "experts", "quant", "kv_depth", "batching",
+                  "threads", "prefix", "twins")

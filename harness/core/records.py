@@ -238,10 +238,30 @@ class Level(Record, tag="level", kw_only=True):
     complete: bool = True
 
 
+class Footprint(Record, tag="footprint", kw_only=True):
+    """One load of a scenario's `memory:` block, in a fresh process: the file's weights by
+    type (core.memory.WeightType's fields), llama.cpp's buffers and the process's resident
+    memory stage by stage (engine.footprint.Footprint's fields), or the error that stopped
+    it."""
+
+    model: str
+    dtype: str
+    kv_type: str
+    n_users: int
+    context: int  # tokens in each user's cache, as asked
+    path: str
+    file_n_bytes: int
+    weights: list[dict[str, Any]] = []
+    footprint: dict[str, Any] | None = None
+    ram_available_n_bytes: int | None = None  # psutil's available memory before the load
+    error: str | None = None
+    at: str | None = None
+
+
 RECORD_TYPES = (Header, Resume, Model, Measurement, Repetition, Round, Probe, Failure,
-                Grouping, Load, NodeFailure, Request, Level)
+                Grouping, Load, NodeFailure, Request, Level, Footprint)
 AnyRecord = (Header | Resume | Model | Measurement | Repetition | Round | Probe | Failure
-             | Grouping | Load | NodeFailure | Request | Level)
+             | Grouping | Load | NodeFailure | Request | Level | Footprint)
 
 
 def migrate(record: dict) -> dict | None:

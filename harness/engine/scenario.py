@@ -35,7 +35,8 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ in llama.cpp's llama-cparams.h
 _TOP_KEYS = ["name", "title", "description", "models", "dtypes", "threads", "repetitions",
              "target_ci", "target", "min_repetitions", "max_repetitions", "max_seconds",
              "warmup", "seed", "n_batch", "n_ubatch", "n_ctx", "flash_attn", "reference",
-             "mmap", "interleave", "template", "tests"]
+             "mmap", "interleave", "template", "memory", "tests"]
+_MEMORY_KEYS = ["models", "dtypes", "context", "kv_cache_type", "users", "weights"]
 _OVERRIDES = ["threads", "repetitions", "target_ci", "min_repetitions", "max_repetitions",
               "warmup", "n_batch", "n_ubatch", "n_ctx", "flash_attn"]
 # Contexts are sized as deployments size them (llama-server's default is 4,096 cells), in whole
@@ -198,6 +199,26 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class MemoryPlan:
+    """A scenario's `memory:` block: each model loaded at each weight type, its cache at each
+    type, and several users' caches, every load in a fresh process (mmap off)."""
+
+    models: tuple[str, ...]  # spec names
+    dtypes: tuple[str, ...]  # the weights table's types
+    context: int  # tokens in each user's cache
+    kv_types: tuple[str, ...]  # the cache types (f16 first)
+    users: tuple[int, ...]  # sequences of `context` tokens loaded together
+    weights: str  # the weight type users are served at (one of dtypes)
+
+    def loads(self) -> list[tuple[str, str, str, int]]:
+        """Every (model, dtype, cache type, users) to load, each once."""
+        out = [(m, d, "f16", 1) for m in self.models for d in self.dtypes]
+        out += [(m, self.weights, k, 1) for m in self.models for k in self.kv_types]
+        out += [(m, self.weights, "f16", u) for m in self.models for u in self.users]
+        return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A validated scenario: its verbatim text and the measurements it expands to."""
 
@@ -214,6 +235,7 @@ class Scenario:
     mmap: bool = True  # models read from the mapped file (llama.cpp's default) or copied in
     interleave: str = "step"  # decode steps of a round's cells in turn, or whole repetitions
     template: str | None = None  # the page's Jinja2 template, beside the scenario file
+    memory: MemoryPlan | None = None  # the footprints to measure after the rounds
 
     @property
     def sha256(self) -> str:
@@ -252,7 +274,51 @@ def load_scenario(path: Path | str, physical_cores: int) -> Scenario:
         mmap=want_bool(doc, ("mmap",), data.get("mmap", True)),
         interleave=_choice(doc, data, "interleave", INTERLEAVES),
         template=_template(doc, data, path) if "template" in data else None,
+        memory=_memory(doc, data, models) if "memory" in data else None,
     )
+
+
+def _memory(doc: Doc, data: dict, models: list[ModelRef]) -> MemoryPlan:
+    """The `memory:` block, validated against its models' shapes."""
+    path = ("memory",)
+    block = want_mapping(doc, path, data["memory"])
+    check_keys(doc, path, block, _MEMORY_KEYS, ("context",))
+    refs = ([want_str(doc, path + ("models", i), r) for i, r in
+             enumerate(_list(doc, path + ("models",), block["models"], allow_scalar=True))]
+            if "models" in block else list(dict.fromkeys(m.ref for m in models)))
+    specs = []
+    for i, ref in enumerate(refs):
+        try:
+            specs.append(resolve_spec(ref))
+        except HarnessError as exc:
+            where = path + ("models", i) if "models" in block else ("models",)
+            raise doc.error(where, exc.render(), fix="memory: loads built models; name a "
+                            "built-in spec or a spec file") from None
+    dtypes = [get_dtype(d, source=doc.source, key=format_path(path + ("dtypes", i))).name
+              for i, d in enumerate(_list(doc, path + ("dtypes",), block.get("dtypes", ["f32"]),
+                                          allow_scalar=True))]
+    shortest = min(s.max_position_embeddings for s in specs)
+    context = want_int(doc, path + ("context",), block["context"], minimum=1, maximum=shortest)
+    kv_types = list(dict.fromkeys(["f16", *_words(doc, path + ("kv_cache_type",),
+                                                  block.get("kv_cache_type", ["f16"]))]))
+    for kv in kv_types:
+        if kv not in KV_CACHE_TYPES:
+            raise doc.error(path + ("kv_cache_type",), f"unknown KV cache type {kv!r}",
+                            fix="one of " + ", ".join(KV_CACHE_TYPES))
+        for spec in specs:
+            if problem := kv_block_problem(kv, spec.head_dim, spec.name):
+                raise doc.error(path + ("kv_cache_type",), problem, fix="leave it out")
+    users = _counts(doc, path + ("users",), block.get("users", [1]), 1, MAX_PARALLEL)
+    weights = block.get("weights", dtypes[0])
+    if weights not in dtypes:
+        raise doc.error(path + ("weights",), f"{weights!r} is not among memory's dtypes",
+                        fix="name one of " + ", ".join(dtypes))
+    return MemoryPlan(tuple(s.name for s in specs), tuple(dtypes), context, tuple(kv_types),
+                      tuple(dict.fromkeys(users)), weights)
+
+
+def _words(doc: Doc, path: tuple, value: object) -> list[str]:
+    return [want_str(doc, path, v) for v in _list(doc, path, value, allow_scalar=True)]
 
 
 def _template(doc: Doc, data: dict, path: Path) -> str:

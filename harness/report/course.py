@@ -14,44 +14,7 @@ from ..core.specs import ModelSpec
 from ..core.stats import center
 from ..study.claims import beyond_measured, check_claims, first_token_steps, workload_rows
 from .findings import main_model, rows_of
-
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A measured or modelled figure with its 95% interval (low, high) where it has one."""
-
-    value: float
-    low: float | None = None
-    high: float | None = None
-
-    @classmethod
-    def of(cls, summary: dict | None, scale: float = 1.0) -> Figure | None:
-        if not summary:
-            return None
-        ci = summary.get("median_ci95")
-        return cls(center(summary) * scale, *(v * scale for v in ci) if ci else (None, None))
-
-    def inverse(self, scale: float = 1.0) -> Figure:
-        """scale ÷ the figure (ms per token from tok/s), its interval inverted with it."""
-        if self.low is None:
-            return Figure(scale / self.value)
-        return Figure(scale / self.value, scale / self.high, scale / self.low)
-
-
-@dataclass(frozen=True)
-class Provenance:
-    date: str
-    cpu: str
-    cores: int | None
-    ram_gib: float | None
-    llama_commit: str
-    llama_dirty: bool
-    bindings: str
-    harness_commit: str
-    harness_dirty: bool
-    scenario_path: str
+from .templating import GIB, Figure, Provenance, provenance
 
 
 @dataclass(frozen=True)
@@ -303,7 +266,7 @@ def course_page(records, analysis: dict, reference: dict | None, plots: dict | N
     return CoursePage(
         title=scenario.get("title") or scenario.get("name") or "Run",
         intro=(scenario.get("description") or "").strip(),
-        provenance=_provenance(header, env, scenario),
+        provenance=provenance(header, env, scenario),
         reference=Reference(reference["source"], reference["hardware"],
                             reference.get("cores"), reference.get("memory_gb_s"))
         if reference else None,
@@ -321,21 +284,6 @@ def course_page(records, analysis: dict, reference: dict | None, plots: dict | N
         pitfalls=_pitfalls(analysis, records.measurements), plots=dict(plots or {}),
         failures=tuple(f"{f.model_key} at {f.step}: {f.error}" for f in records.failures),
         full_report=full_report)
-
-
-def _provenance(header, env: dict, scenario: dict) -> Provenance:
-    llama = env.get("llama") or {}
-    commit = str(llama.get("ggml_commit") or "unknown")
-    source = env.get("harness_source") or {}
-    return Provenance(
-        date=(header.created or "")[:10], cpu=str(env.get("cpu_model") or "an unnamed CPU"),
-        cores=env.get("physical_cores"),
-        ram_gib=env["ram_total_bytes"] / GIB if env.get("ram_total_bytes") else None,
-        llama_commit=commit.removesuffix("-dirty"), llama_dirty=commit.endswith("-dirty"),
-        bindings=f"llama-cpp-python {llama.get('llama_cpp_python') or 'unknown'}",
-        harness_commit=str(source.get("commit") or "unknown")[:12],
-        harness_dirty=bool(source.get("dirty")),
-        scenario_path=str(scenario.get("path") or "SCENARIO"))
 
 
 def _phases(a: dict, main: tuple | None) -> TwoPhases | None:

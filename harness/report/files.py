@@ -10,7 +10,9 @@ from ..core.errors import HarnessError
 from ..engine.build import write_text_atomically
 from ..engine.results import RESULTS_FILE, read_records
 from ..study.analyze import analyze_records
+from .memory_lesson import memory_plan
 from .page import render_csv, render_json, report_data
+from .templating import SECTION_PAGES
 
 FORMATS = ("md", "csv", "json")
 
@@ -59,7 +61,10 @@ def write_report(run_dir: Path, records, out: Path | None = None, fmt: str = "md
     # the plots are drawn aside until the pages render: a bad template writes nothing
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".plots-") as aside:
         plots = _write_plots(records, analysis, Path(aside), reference)
-        pages = _pages(records, analysis, reference, plots, chosen, as_lesson)
+        if memory_plan(records) and str(chosen) not in SECTION_PAGES:
+            pages = _memory_pages(records, analysis, plots, Path(aside), chosen)
+        else:
+            pages = _pages(records, analysis, reference, plots, chosen, as_lesson)
         for drawn in Path(aside).iterdir():
             os.replace(drawn, out.parent / drawn.name)
     for name, text in pages.items():
@@ -82,6 +87,21 @@ def _pages(records, analysis: dict, reference: dict | None, plots: list[str],
                        FULL_REPORT)
     full = full_sections(lesson_data(records, analysis, reference), plots)
     return {None: render(template or "lesson", page), FULL_REPORT: render("full", full)}
+
+
+def _memory_pages(records, analysis: dict, plots: list[str], aside: Path,
+                  template: str | Path | None) -> dict:
+    """A run with a `memory:` block: the memory lesson, and the full report beside it."""
+    from dataclasses import replace
+
+    from .memory_lesson import memory_lesson, write_memory_plot
+    from .page import run_sections
+    from .templating import render
+
+    lesson = memory_lesson(records, None, FULL_REPORT)
+    lesson = replace(lesson, plot=write_memory_plot(records, lesson, aside))
+    return {None: render(template or "memory_lesson", lesson),
+            FULL_REPORT: render("full", run_sections(report_data(records, analysis), plots))}
 
 
 def _write_plots(records, analysis: dict, out_dir: Path, reference: dict | None) -> list[str]:

@@ -13,11 +13,14 @@ import jinja2
 
 from ..core.errors import HarnessError
 from ..core.options import PAGE_TEMPLATES
+from ..core.stats import center
 
 TEMPLATES = resources.files("harness.report") / "templates"
 BUILT_IN = PAGE_TEMPLATES
-SECTION_PAGES = BUILT_IN[1:]  # templates over a FullPage's sections
+LESSON_PAGES = ("lesson", "memory_lesson")  # templates over a lesson's typed result
+SECTION_PAGES = tuple(n for n in BUILT_IN if n not in LESSON_PAGES)  # over a FullPage's sections
 SUFFIX = ".md.j2"
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,58 @@ class FullPage:
 
     title: str
     sections: tuple[Section, ...]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A measured or modelled figure with its 95% interval (low, high) where it has one."""
+
+    value: float
+    low: float | None = None
+    high: float | None = None
+
+    @classmethod
+    def of(cls, summary: dict | None, scale: float = 1.0) -> Figure | None:
+        if not summary:
+            return None
+        ci = summary.get("median_ci95")
+        return cls(center(summary) * scale, *(v * scale for v in ci) if ci else (None, None))
+
+    def inverse(self, scale: float = 1.0) -> Figure:
+        """scale ÷ the figure (ms per token from tok/s), its interval inverted with it."""
+        if self.low is None:
+            return Figure(scale / self.value)
+        return Figure(scale / self.value, scale / self.high, scale / self.low)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    date: str
+    cpu: str
+    cores: int | None
+    ram_gib: float | None
+    llama_commit: str
+    llama_dirty: bool
+    bindings: str
+    harness_commit: str
+    harness_dirty: bool
+    scenario_path: str
+
+
+def provenance(header, env: dict, scenario: dict) -> Provenance:
+    """Where and when a run was measured, and from which code."""
+    llama = env.get("llama") or {}
+    commit = str(llama.get("ggml_commit") or "unknown")
+    source = env.get("harness_source") or {}
+    return Provenance(
+        date=(header.created or "")[:10], cpu=str(env.get("cpu_model") or "an unnamed CPU"),
+        cores=env.get("physical_cores"),
+        ram_gib=env["ram_total_bytes"] / GIB if env.get("ram_total_bytes") else None,
+        llama_commit=commit.removesuffix("-dirty"), llama_dirty=commit.endswith("-dirty"),
+        bindings=f"llama-cpp-python {llama.get('llama_cpp_python') or 'unknown'}",
+        harness_commit=str(source.get("commit") or "unknown")[:12],
+        harness_dirty=bool(source.get("dirty")),
+        scenario_path=str(scenario.get("path") or "SCENARIO"))
 
 
 # --- filters: every number a page prints goes through one of these -------------------------
@@ -149,14 +204,20 @@ def render(template: str | Path, data) -> str:
     env = _environment(path.parent)
     try:
         compiled = env.from_string(path.read_text(encoding="utf-8"))
-        context = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
-        return compiled.render(context)
+        return compiled.render(template_names(data))
     except jinja2.TemplateSyntaxError as exc:
         raise HarnessError(f"template syntax error: {exc.message}", source=str(path),
                            line=exc.lineno, fix="fix the template's Jinja2 syntax") from None
     except (jinja2.UndefinedError, AttributeError, TypeError, KeyError) as exc:
         raise HarnessError(f"{exc}", source=str(path), line=_template_line(exc),
                            fix="use only the names docs/templates.md lists") from None
+
+
+def template_names(data) -> dict:
+    """The names a template sees: the result's fields and its properties (derived figures)."""
+    names = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+    return names | {name: getattr(data, name) for name in dir(type(data))
+                    if isinstance(getattr(type(data), name), property)}
 
 
 def _template_line(exc: BaseException) -> int | None:

@@ -1,0 +1,396 @@
+"""The memory lesson: the typed result its page is rendered from (weights at each type, the KV
+cache per token, memory against context, the users that fit, a quantized cache's decode cost),
+and its plot. Pure (records -> MemoryLesson); the words are in templates/memory_lesson.md.j2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..analysis.estimates import HARDWARE
+from ..analysis.memory import (
+    FIT_KV_TYPES,
+    KvCheck,
+    Load,
+    fit_rows,
+    fixed_n_bytes,
+    footprint_of,
+    load_of,
+    output_n_bytes_per_sequence,
+    weights_of,
+)
+from ..core.costs import kv_n_bytes_per_token
+from ..core.memory import MIB, kv_n_bytes_per_sequence, kv_plan
+from ..core.records import Footprint as FootprintRecord
+from ..core.records import Measurement
+from ..core.specs import ModelSpec, resolve_spec
+from ..levers.common import round_ratio
+from ..render.plotkit import plain_log2, plt, save
+from .templating import GIB, Figure, Provenance, provenance
+
+PLOT = "memory_vs_context"
+
+
+@dataclass(frozen=True)
+class WeightRow:
+    """One model at one weight type: the formula, the file and what llama.cpp held."""
+
+    model: str
+    dtype: str
+    bits_per_weight: float  # the formula's bytes × 8 ÷ parameters, block scales in
+    formula_n_bytes: int
+    file_n_bytes: int  # the file's tensors
+    buffer_gib: float  # llama.cpp's model buffers (mmap off: the weights in its own memory)
+    rss_gib: float  # what loading added to the process's resident memory
+
+    @property
+    def formula_gib(self) -> float:
+        return self.formula_n_bytes / GIB
+
+    @property
+    def file_gib(self) -> float:
+        return self.file_n_bytes / GIB
+
+    @property
+    def buffer_gap(self) -> float:
+        """llama.cpp's buffers against the file's tensors, as a share."""
+        return self.buffer_gib / self.file_gib - 1
+
+    @property
+    def rss_gap(self) -> float:
+        """What loading added to RSS against llama.cpp's buffers, as a share."""
+        return self.rss_gib / self.buffer_gib - 1
+
+
+@dataclass(frozen=True)
+class KvRow:
+    """One model's cache at one type: bytes per token, and one user's cache against
+    llama.cpp's buffer."""
+
+    model: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    kv_type: str
+    n_bytes_per_token: int
+    formula_mib: float  # one user at the run's context, as llama.cpp pads it
+    logged_mib: float | None  # llama.cpp's KV buffer (None: not loaded or not logged)
+    equal: bool
+
+
+@dataclass(frozen=True)
+class Point:
+    """Several users loaded together: the formula, llama.cpp's buffers and RSS."""
+
+    model: str
+    n_users: int
+    formula_gib: float
+    buffers_gib: float
+    rss_gib: float
+
+    @property
+    def gap(self) -> float:
+        """RSS against the formula, as a share."""
+        return self.rss_gib / self.formula_gib - 1
+
+
+@dataclass(frozen=True)
+class UsersRow:
+    """How many users of the run's context fit in one machine's memory, per cache type."""
+
+    model: str
+    machine: str
+    memory_gib: float
+    modelled: bool  # another machine: the weights and buffers as llama.cpp allocated them here
+    users: tuple[int | None, ...]  # per kv_types; None: that type cannot hold these heads
+    longest_context: int  # one user, F16 cache
+    longest_capped: bool  # the model's trained context, not memory, stops it
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    """Decode at depth with one cache type: its speed, against F16 beside it, against empty."""
+
+    model: str
+    dtype: str
+    kv_type: str
+    depth: int
+    n_bytes_per_token: int
+    tok_s: Figure | None
+    against_f16: Figure | None  # this type's decode ÷ F16's, paired step by step
+    paired: bool
+    slowdown: Figure | None  # at depth ÷ with an empty cache, in the same repetitions
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Where llama.cpp's allocation differs from the two formulas (one model's load)."""
+
+    model: str
+    context: int
+    n_ctx_seq: int  # the cells llama.cpp gave one user
+    compute_mib: float  # reserved for the worst ubatch
+    compute_touched_mib: float  # what one decoded token made resident of it
+    output_mib_per_user: float  # one row of logits
+    repacked: tuple[str, ...]  # weight types llama.cpp repacked for this CPU
+    kv_resident_at_creation: bool | None
+    rss_gap: float  # RSS against every buffer, as a share
+    rss_gap_touched: float  # the same, the compute buffer counted as touched
+
+
+@dataclass(frozen=True)
+class MemoryLesson:
+    """Everything the memory lesson's template can print."""
+
+    title: str
+    intro: str
+    provenance: Provenance
+    context: int
+    weights_dtype: str  # the type users are served at
+    kv_types: tuple[str, ...]
+    weights: tuple[WeightRow, ...]
+    kv: tuple[KvRow, ...]
+    points: tuple[Point, ...]
+    users: tuple[UsersRow, ...]
+    costs: tuple[CacheCost, ...]
+    overheads: Overheads | None
+    ram_available_gib: float | None
+    failures: tuple[str, ...]
+    plot: str | None
+    full_report: str | None
+
+    @property
+    def weights_exact(self) -> bool:
+        """The formula gave every file's tensor bytes exactly."""
+        return all(w.formula_n_bytes == w.file_n_bytes for w in self.weights)
+
+    @property
+    def buffer_gap_max(self) -> float:
+        return max(abs(w.buffer_gap) for w in self.weights)
+
+    @property
+    def rss_gaps(self) -> tuple[float, float]:
+        """The smallest and largest share by which loading's RSS differed from the buffers."""
+        gaps = [w.rss_gap for w in self.weights]
+        return min(gaps), max(gaps)
+
+    @property
+    def kv_extremes(self) -> tuple[KvRow, KvRow] | None:
+        """The models with the smallest and the largest F16 cache per token."""
+        f16 = sorted((r for r in self.kv if r.kv_type == "f16"),
+                     key=lambda r: r.n_bytes_per_token)
+        return (f16[0], f16[-1]) if len(f16) > 1 else None
+
+    @property
+    def point_gaps(self) -> tuple[float, float] | None:
+        gaps = [p.gap for p in self.points]
+        return (min(gaps), max(gaps)) if gaps else None
+
+    @property
+    def point_users(self) -> tuple[int, ...]:
+        return tuple(sorted({p.n_users for p in self.points}))
+
+    @property
+    def n_kv_equal(self) -> int:
+        return sum(r.equal for r in self.kv if r.logged_mib is not None)
+
+    @property
+    def n_kv_loaded(self) -> int:
+        return sum(r.logged_mib is not None for r in self.kv)
+
+
+def footprints(records) -> list[FootprintRecord]:
+    return records.of_type(FootprintRecord)
+
+
+def memory_plan(records) -> dict | None:
+    """The scenario's `memory:` block as the header keeps it."""
+    return ((records.header.scenario if records.header else None) or {}).get("memory")
+
+
+def _loads(records) -> dict[tuple, tuple[FootprintRecord, Load]]:
+    return {(f.model, f.dtype, f.kv_type, f.n_users): (f, load_of(footprint_of(f.footprint)))
+            for f in footprints(records) if f.footprint}
+
+
+def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryLesson:
+    """The page's data from a run's footprint records and its decode-at-depth cells."""
+    plan, header = memory_plan(records), records.header
+    loads = _loads(records)
+    scenario = header.scenario or {}
+    specs = {m: resolve_spec(m) for m in plan["models"]}
+    first = footprints(records)[0] if footprints(records) else None
+    ram = first.ram_available_n_bytes if first else None
+    return MemoryLesson(
+        title=scenario.get("title", ""), intro=scenario.get("description", ""),
+        provenance=provenance(header, header.env or {}, scenario), context=plan["context"],
+        weights_dtype=plan["weights"], kv_types=tuple(plan["kv_types"]),
+        weights=tuple(_weight_rows(plan, loads)), kv=tuple(_kv_rows(plan, specs, loads)),
+        points=tuple(_points(plan, specs, loads)),
+        users=tuple(_users_rows(plan, specs, loads, ram)),
+        costs=tuple(_costs(records.measurements)), overheads=_overheads(plan, specs, loads),
+        ram_available_gib=ram / GIB if ram else None,
+        failures=tuple(f"{f.model} {f.dtype}, {f.n_users} × {f.context:,} tokens of {f.kv_type} "
+                       f"cache: {f.error}" for f in footprints(records) if f.error),
+        plot=plot, full_report=full_report)
+
+
+def _weight_rows(plan: dict, loads: dict) -> list[WeightRow]:
+    rows = []
+    for model in plan["models"]:
+        for dtype in plan["dtypes"]:
+            if (model, dtype, "f16", 1) not in loads:
+                continue
+            record, load = loads[model, dtype, "f16", 1]
+            types = weights_of(record.weights)
+            formula = sum(w.formula_n_bytes for w in types)
+            stages = {s.stage: s.rss_n_bytes for s in load.footprint.stages}
+            rows.append(WeightRow(
+                model, dtype, formula * 8 / sum(w.n_params for w in types), formula,
+                sum(w.file_n_bytes for w in types), load.model_mib * MIB / GIB,
+                (stages["model loaded"] - stages["before loading"]) / GIB))
+    return rows
+
+
+def _kv_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[KvRow]:
+    rows = []
+    for model, spec in specs.items():
+        for kv in plan["kv_types"]:
+            plan_kv = kv_plan(spec, plan["context"], 1, kv, kv)
+            found = loads.get((model, plan["weights"], kv, 1))
+            logged = found[1].footprint.caches if found else ()
+            rows.append(KvRow(model, spec.num_hidden_layers, spec.num_key_value_heads,
+                              spec.head_dim, kv, round(kv_n_bytes_per_token(spec, kv, kv)),
+                              plan_kv.n_bytes / MIB, sum(c.mib for c in logged) if found else None,
+                              bool(found) and KvCheck(plan_kv, logged).equal))
+    return rows
+
+
+def _per_user_n_bytes(spec: ModelSpec, load: Load, n_ctx: int, kv: str = "f16") -> int:
+    return kv_n_bytes_per_sequence(spec, n_ctx, kv, kv) + output_n_bytes_per_sequence(load)
+
+
+def _points(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[Point]:
+    out = []
+    for model, spec in specs.items():
+        base = loads.get((model, plan["weights"], "f16", 1))
+        for users in plan["users"]:
+            found = loads.get((model, plan["weights"], "f16", users))
+            if not base or not found:
+                continue
+            load = found[1]
+            formula = (fixed_n_bytes((base[1],))
+                       + users * _per_user_n_bytes(spec, base[1], plan["context"]))
+            out.append(Point(model, users, formula / GIB, load.parts_mib * MIB / GIB,
+                             load.rss_mib * MIB / GIB))
+    return out
+
+
+def _machines(ram: int | None) -> list[tuple[str, int, bool]]:
+    here = [("this machine (available)", ram, False)] if ram else []
+    return here + [(hw["name"], int(hw["memory_gb"] * 1e9), True) for hw in HARDWARE.values()]
+
+
+def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int | None
+                ) -> list[UsersRow]:
+    rows = []
+    for machine, n_bytes, modelled in _machines(ram):
+        for model, spec in specs.items():
+            found = loads.get((model, plan["weights"], "f16", 1))
+            if not found:
+                continue
+            load = found[1]
+            fits = {r.kv_type: r.fit for r in fit_rows(
+                spec, n_bytes, fixed_n_bytes((load,)), kv_plan(spec, plan["context"]).n_ctx_seq,
+                output_n_bytes_per_sequence(load))}
+            f16 = fits["f16"]
+            rows.append(UsersRow(model, machine, n_bytes / GIB, modelled,
+                                 tuple(fits[k].n_sequences if fits.get(k) else None
+                                       for k in plan["kv_types"]),
+                                 f16.longest_context, f16.longest_capped))
+    return rows
+
+
+def _costs(measurements: list[Measurement]) -> list[CacheCost]:
+    """Every decode-at-depth cell, against the F16 cell of the same model, type and depth."""
+    deep = [m for m in measurements if m.depth and m.n_gen and m.decode_tok_s]
+    out = []
+    for m in sorted(deep, key=lambda m: (m.model, m.dtype, m.depth,
+                                         FIT_KV_TYPES.index(m.kv_type)
+                                         if m.kv_type in FIT_KV_TYPES else 9)):
+        base = next((b for b in deep if (b.model, b.dtype, b.depth, b.n_gen, b.kv_type)
+                     == (m.model, m.dtype, m.depth, m.n_gen, "f16")), None)
+        ratio = round_ratio(m, base, "decode") if base else None
+        spec = resolve_spec(m.model)
+        out.append(CacheCost(m.model, m.dtype, m.kv_type, m.depth,
+                             round(kv_n_bytes_per_token(spec, m.kv_type, m.kv_type)),
+                             Figure.of(m.decode_tok_s), Figure.of(ratio),
+                             bool(ratio and ratio.get("paired")), Figure.of(m.paired_slowdown)))
+    return out
+
+
+def _overheads(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> Overheads | None:
+    """The first model's load at the served type: the buffers no formula above counts."""
+    model = plan["models"][0]
+    found = loads.get((model, plan["weights"], "f16", 1))
+    if not found:
+        return None
+    load = found[1]
+    repacked = sorted({r.dtype for (m, _, k, u), (r, ld) in loads.items()
+                       if m == model and k == "f16" and u == 1 and ld.repacked_mib})
+    return Overheads(model, plan["context"], load.footprint.n_ctx_seq, load.compute_mib,
+                     load.compute_touched_mib,
+                     output_n_bytes_per_sequence(load) / MIB, tuple(repacked),
+                     load.kv_resident_at_creation, load.gap, load.gap_without_untouched)
+
+
+# --- plot
+
+def plot_memory(lesson: MemoryLesson, specs: dict[str, ModelSpec], fixed: dict[str, int],
+                output: dict[str, int], users: tuple[int, ...], out_dir: Path) -> str | None:
+    """Memory against each user's context for 1, 4, 16 … users (F16 cache), one panel per
+    model, the machine's available RAM across, the loads measured as points."""
+    if not fixed or not lesson.ram_available_gib:
+        return None
+    fig, axes = plt.subplots(1, len(fixed), figsize=(4 * len(fixed), 4), sharey=True,
+                             squeeze=False)
+    for ax, (model, base) in zip(axes[0], fixed.items(), strict=True):
+        spec = specs[model]
+        contexts = [c for c in (2 ** k for k in range(8, 18)) if c <= spec.max_position_embeddings]
+        for n in users:
+            ax.plot(contexts, [(base + n * (kv_n_bytes_per_sequence(spec, c) + output[model]))
+                               / GIB for c in contexts], "-", label=f"{n} user{'s' * (n > 1)}")
+        points = [p for p in lesson.points if p.model == model]
+        ax.plot([lesson.context] * len(points), [p.rss_gib for p in points], "kx",
+                label="measured RSS")
+        ax.axhline(lesson.ram_available_gib, color="0.3", ls="--", lw=1,
+                   label="available RAM")
+        plain_log2(ax)
+        ax.set_yscale("log")
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("tokens per user (F16 cache)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("memory (GiB)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(plot_title(lesson, users), fontsize=10)
+    return save(fig, out_dir, PLOT)
+
+
+def plot_title(lesson: MemoryLesson, users: tuple[int, ...]) -> str:
+    """The plot's finding: the most users the run's context fits here, per model."""
+    here = [r for r in lesson.users if not r.modelled]
+    fits = ", ".join(f"{r.model} {r.users[0]:,}" for r in here if r.users[0] is not None)
+    return (f"Users of {lesson.context:,} tokens (F16 cache, {lesson.weights_dtype.upper()} "
+            f"weights) that fit in this machine's available RAM: {fits}")
+
+
+def write_memory_plot(records, lesson: MemoryLesson, out_dir: Path) -> str | None:
+    """The plot for a run's memory page (the fixed parts measured at the served type)."""
+    plan = memory_plan(records)
+    loads = _loads(records)
+    specs = {m: resolve_spec(m) for m in plan["models"]}
+    found = {m: loads[m, plan["weights"], "f16", 1][1] for m in specs
+             if (m, plan["weights"], "f16", 1) in loads}
+    return plot_memory(lesson, specs, {m: fixed_n_bytes((ld,)) for m, ld in found.items()},
+                       {m: output_n_bytes_per_sequence(ld) for m, ld in found.items()},
+                       tuple(plan["users"]), out_dir)
