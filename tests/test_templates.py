@@ -168,6 +168,12 @@ def test_a_scenario_names_its_template(run_cli, run_copy, tmp_path):
         load_scenario(scenario, 2)
 
 
+def template_names_of(kind: type) -> list[str]:
+    """A typed result's fields and properties, the names a template sees."""
+    return [f.name for f in dataclasses.fields(kind)] + [
+        n for n in dir(kind) if isinstance(getattr(kind, n), property)]
+
+
 def test_the_docs_list_every_name_a_template_can_use():
     from harness.report import course
 
@@ -177,8 +183,12 @@ def test_the_docs_list_every_name_a_template_can_use():
              course.Quant, course.Batching, course.LongPrompt, course.KvCache, course.Hardware,
              course.Workload, course.Claim, course.Untested, course.Pitfalls, course.Plot,
              course.Figure]
-    missing = [f"{t.__name__}.{f.name}" for t in types for f in dataclasses.fields(t)
-               if f"`{f.name}`" not in docs]
+    from harness.report import memory_lesson as ml
+
+    types += [ml.MemoryLesson, ml.WeightRow, ml.KvRow, ml.Point, ml.UsersRow, ml.CacheCost,
+              ml.Overheads]
+    missing = [f"{t.__name__}.{name}" for t in types for name in template_names_of(t)
+               if f"`{name}`" not in docs]
     assert not missing
     from harness.report.templating import FILTERS
 

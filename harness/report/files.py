@@ -94,14 +94,18 @@ def _memory_pages(records, analysis: dict, plots: list[str], aside: Path,
     """A run with a `memory:` block: the memory lesson, and the full report beside it."""
     from dataclasses import replace
 
-    from .memory_lesson import memory_lesson, write_memory_plot
+    from .memory_lesson import load_table, memory_lesson, write_memory_plot
     from .page import run_sections
-    from .templating import render
+    from .templating import Section, render, template_path
 
     lesson = memory_lesson(records, None, FULL_REPORT)
     lesson = replace(lesson, plot=write_memory_plot(records, lesson, aside))
-    return {None: render(template or "memory_lesson", lesson),
-            FULL_REPORT: render("full", run_sections(report_data(records, analysis), plots))}
+    full = run_sections(report_data(records, analysis), plots)
+    loads = Section("memory_loads", render(template_path("memory_loads"), load_table(records)))
+    at = next((i for i, s in enumerate(full.sections) if s.name == "method"),
+              len(full.sections))
+    full = replace(full, sections=(*full.sections[:at], loads, *full.sections[at:]))
+    return {None: render(template or "memory_lesson", lesson), FULL_REPORT: render("full", full)}
 
 
 def _write_plots(records, analysis: dict, out_dir: Path, reference: dict | None) -> list[str]:

@@ -25,7 +25,7 @@ from ..core.records import Footprint as FootprintRecord
 from ..core.records import Measurement
 from ..core.specs import ModelSpec, resolve_spec
 from ..levers.common import round_ratio
-from ..render.plotkit import plain_log2, plt, save
+from ..render.plotkit import plain_log2, plain_log_y, plt, save
 from .templating import GIB, Figure, Provenance, provenance
 
 PLOT = "memory_vs_context"
@@ -42,6 +42,8 @@ class WeightRow:
     file_n_bytes: int  # the file's tensors
     buffer_gib: float  # llama.cpp's model buffers (mmap off: the weights in its own memory)
     rss_gib: float  # what loading added to the process's resident memory
+    mix: tuple[tuple[str, float], ...]  # the file's tensor types and their share of parameters
+    slack_n_bytes: int  # llama.cpp logs each buffer to 0.01 MiB: half of that per buffer
 
     @property
     def formula_gib(self) -> float:
@@ -50,6 +52,20 @@ class WeightRow:
     @property
     def file_gib(self) -> float:
         return self.file_n_bytes / GIB
+
+    @property
+    def main_mix(self) -> tuple[tuple[str, float], ...]:
+        """The types holding at least 0.5% of the parameters (norms and biases left out)."""
+        return tuple(m for m in self.mix if m[1] >= 0.005)
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.main_mix) > 1
+
+    @property
+    def buffer_equal_file(self) -> bool:
+        """llama.cpp's model buffers held the file's tensor bytes, to the MiB it logs."""
+        return abs(self.buffer_gib * GIB - self.file_n_bytes) <= self.slack_n_bytes
 
     @property
     def buffer_gap(self) -> float:
@@ -119,6 +135,8 @@ class CacheCost:
     tok_s: Figure | None
     against_f16: Figure | None  # this type's decode ÷ F16's, paired step by step
     paired: bool
+    stepped: bool  # its decode steps ran in turn with the other cells' (else round by round)
+    at_budget: bool  # the run's time budget stopped it before its target interval
     slowdown: Figure | None  # at depth ÷ with an empty cache, in the same repetitions
 
 
@@ -130,12 +148,49 @@ class Overheads:
     context: int
     n_ctx_seq: int  # the cells llama.cpp gave one user
     compute_mib: float  # reserved for the worst ubatch
+    n_ubatch: int
     compute_touched_mib: float  # what one decoded token made resident of it
     output_mib_per_user: float  # one row of logits
-    repacked: tuple[str, ...]  # weight types llama.cpp repacked for this CPU
+    repacked: tuple[tuple[str, float], ...]  # files whose weights llama.cpp repacked, MiB
     kv_resident_at_creation: bool | None
     rss_gap: float  # RSS against every buffer, as a share
     rss_gap_touched: float  # the same, the compute buffer counted as touched
+
+
+@dataclass(frozen=True)
+class LoadRow:
+    """One load, for the full report: llama.cpp's buffers and the resident memory."""
+
+    model: str
+    dtype: str
+    kv_type: str
+    n_users: int
+    model_mib: float
+    repacked_mib: float
+    kv_mib: float
+    output_mib: float
+    compute_mib: float
+    parts_mib: float  # the process before loading and every buffer
+    rss_mib: float  # after one decoded token
+    seconds: float  # the load and its stages, in its fresh process
+
+
+@dataclass(frozen=True)
+class LoadTable:
+    """Every load of a run's `memory:` block (templates/memory_loads.md.j2)."""
+
+    context: int
+    rows: tuple[LoadRow, ...]
+
+
+def load_table(records) -> LoadTable:
+    plan = memory_plan(records)
+    rows = tuple(LoadRow(r.model, r.dtype, r.kv_type, r.n_users, ld.model_mib,
+                         ld.repacked_mib, ld.kv_mib, ld.output_mib, ld.compute_mib,
+                         ld.parts_mib, ld.rss_mib,
+                         sum(st.seconds for st in ld.footprint.stages))
+                 for r, ld in _loads(records).values())
+    return LoadTable(plan["context"], rows)
 
 
 @dataclass(frozen=True)
@@ -165,14 +220,18 @@ class MemoryLesson:
         return all(w.formula_n_bytes == w.file_n_bytes for w in self.weights)
 
     @property
+    def buffers_equal_file(self) -> bool:
+        return all(w.buffer_equal_file for w in self.weights)
+
+    @property
     def buffer_gap_max(self) -> float:
         return max(abs(w.buffer_gap) for w in self.weights)
 
     @property
-    def rss_gaps(self) -> tuple[float, float]:
-        """The smallest and largest share by which loading's RSS differed from the buffers."""
-        gaps = [w.rss_gap for w in self.weights]
-        return min(gaps), max(gaps)
+    def rss_shares(self) -> tuple[float, float]:
+        """The smallest and largest RSS that loading added, as a share of the buffers."""
+        shares = [1 + w.rss_gap for w in self.weights]
+        return min(shares), max(shares)
 
     @property
     def kv_extremes(self) -> tuple[KvRow, KvRow] | None:
@@ -182,9 +241,10 @@ class MemoryLesson:
         return (f16[0], f16[-1]) if len(f16) > 1 else None
 
     @property
-    def point_gaps(self) -> tuple[float, float] | None:
-        gaps = [p.gap for p in self.points]
-        return (min(gaps), max(gaps)) if gaps else None
+    def point_shares(self) -> tuple[float, float] | None:
+        """The smallest and largest RSS of the loaded users, as a share of the formula."""
+        shares = [1 + p.gap for p in self.points]
+        return (min(shares), max(shares)) if shares else None
 
     @property
     def point_users(self) -> tuple[int, ...]:
@@ -244,11 +304,15 @@ def _weight_rows(plan: dict, loads: dict) -> list[WeightRow]:
             record, load = loads[model, dtype, "f16", 1]
             types = weights_of(record.weights)
             formula = sum(w.formula_n_bytes for w in types)
+            n_params = sum(w.n_params for w in types)
             stages = {s.stage: s.rss_n_bytes for s in load.footprint.stages}
             rows.append(WeightRow(
-                model, dtype, formula * 8 / sum(w.n_params for w in types), formula,
+                model, dtype, formula * 8 / n_params, formula,
                 sum(w.file_n_bytes for w in types), load.model_mib * MIB / GIB,
-                (stages["model loaded"] - stages["before loading"]) / GIB))
+                (stages["model loaded"] - stages["before loading"]) / GIB,
+                tuple((w.type_name, w.n_params / n_params)
+                      for w in sorted(types, key=lambda w: -w.n_params)),
+                sum(b.holds == "model" for b in load.footprint.buffers) * MIB // 200))
     return rows
 
 
@@ -287,8 +351,9 @@ def _points(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[Point]
 
 
 def _machines(ram: int | None) -> list[tuple[str, int, bool]]:
-    here = [("this machine (available)", ram, False)] if ram else []
-    return here + [(hw["name"], int(hw["memory_gb"] * 1e9), True) for hw in HARDWARE.values()]
+    here = [("this machine (free)", ram, False)] if ram else []
+    return here + [(hw["name"].split(" (")[0], int(hw["memory_gb"] * 1e9), True)
+                   for hw in HARDWARE.values()]
 
 
 def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int | None
@@ -325,7 +390,9 @@ def _costs(measurements: list[Measurement]) -> list[CacheCost]:
         out.append(CacheCost(m.model, m.dtype, m.kv_type, m.depth,
                              round(kv_n_bytes_per_token(spec, m.kv_type, m.kv_type)),
                              Figure.of(m.decode_tok_s), Figure.of(ratio),
-                             bool(ratio and ratio.get("paired")), Figure.of(m.paired_slowdown)))
+                             bool(ratio and ratio.get("paired")), m.interleave == "step",
+                             m.stopped_by == "budget",
+                             Figure.of(m.paired_slowdown)))
     return out
 
 
@@ -336,10 +403,10 @@ def _overheads(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> Overhead
     if not found:
         return None
     load = found[1]
-    repacked = sorted({r.dtype for (m, _, k, u), (r, ld) in loads.items()
-                       if m == model and k == "f16" and u == 1 and ld.repacked_mib})
+    repacked = [(r.dtype, ld.repacked_mib) for (m, _, k, u), (r, ld) in loads.items()
+                if m == model and k == "f16" and u == 1 and ld.repacked_mib]
     return Overheads(model, plan["context"], load.footprint.n_ctx_seq, load.compute_mib,
-                     load.compute_touched_mib,
+                     load.footprint.params.n_ubatch, load.compute_touched_mib,
                      output_n_bytes_per_sequence(load) / MIB, tuple(repacked),
                      load.kv_resident_at_creation, load.gap, load.gap_without_untouched)
 
@@ -366,7 +433,7 @@ def plot_memory(lesson: MemoryLesson, specs: dict[str, ModelSpec], fixed: dict[s
         ax.axhline(lesson.ram_available_gib, color="0.3", ls="--", lw=1,
                    label="available RAM")
         plain_log2(ax)
-        ax.set_yscale("log")
+        plain_log_y(ax)
         ax.set_title(model, fontsize=10)
         ax.set_xlabel("tokens per user (F16 cache)")
         ax.grid(alpha=0.3)
@@ -380,8 +447,8 @@ def plot_title(lesson: MemoryLesson, users: tuple[int, ...]) -> str:
     """The plot's finding: the most users the run's context fits here, per model."""
     here = [r for r in lesson.users if not r.modelled]
     fits = ", ".join(f"{r.model} {r.users[0]:,}" for r in here if r.users[0] is not None)
-    return (f"Users of {lesson.context:,} tokens (F16 cache, {lesson.weights_dtype.upper()} "
-            f"weights) that fit in this machine's available RAM: {fits}")
+    return (f"Users of {lesson.context:,} tokens that fit in this machine's available RAM "
+            f"({lesson.weights_dtype.upper()} weights, F16 cache):\n{fits}")
 
 
 def write_memory_plot(records, lesson: MemoryLesson, out_dir: Path) -> str | None:
