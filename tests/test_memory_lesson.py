@@ -72,6 +72,9 @@ def test_the_page_its_plot_and_full_report_are_written(memory_run):
     widest = max(line.count("|") - 1 for line in text.splitlines() if line.startswith("|"))
     assert widest <= 8
     assert "{{" not in text and "None" not in text
+    full = (run / "full.md").read_text()
+    loads = full.split("## Memory: every load")[1].split("\n## ")[0]
+    assert loads.count("| tiny-qwen") == len(records.of_type(Footprint))
 
 
 def test_a_resumed_run_loads_only_what_is_missing(memory_run, tmp_path, monkeypatch):
@@ -120,7 +123,7 @@ def test_a_load_that_fails_is_recorded_and_named_on_the_page(memory_run, tmp_pat
     text = render("memory_lesson", lesson)
     assert text.count("> **Failed:**") == 2 and "failed to create the context" in text
     assert {p.n_users for p in lesson.points} == {1}  # the points are the loads measured
-    assert "measured with 1 user of 256 tokens" in text
+    assert "crosses RSS, measured with 1 user of 256 tokens." in text
 
 
 @pytest.mark.parametrize(("against", "words"), [
@@ -147,3 +150,16 @@ def test_a_kv_buffer_the_formula_misses_is_not_called_equal(memory_run):
     text = render("memory_lesson", replace(lesson, weights=weights))
     assert "to the byte" not in text.split("## The KV cache")[0]
     assert re.search(r"differ where the table shows it", text)
+
+
+def test_a_run_stopped_before_its_loads_says_so(memory_run, tmp_path):
+    from harness.engine.results import read_records
+
+    _, _, tmp = memory_run
+    lines = (tmp / "run" / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text(
+        "".join(ln for ln in lines if '"type":"footprint"' not in ln))
+    records = read_records(tmp_path / "results.jsonl")
+    text = render("memory_lesson", memory_lesson(records, None, None))
+    assert "**Not measured yet:**" in text and "## Weights" not in text
+    assert "## How many users fit" not in text and "## What a quantized cache costs" in text

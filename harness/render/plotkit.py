@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogFormatter, NullLocator  # noqa: E402
 
 from ..core.stats import center  # noqa: E402
 
@@ -65,6 +65,13 @@ def plain_log2(ax) -> None:
     """A doubling x axis labelled 1, 2, 4 … 4,096 rather than 2⁰ … 2¹²."""
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+
+
+def doubling_y(ax) -> None:
+    """A log y axis with a tick at each doubling (…, 0.5, 1, 2, 4 …), no minor labels."""
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def plain_log_x(ax) -> None:

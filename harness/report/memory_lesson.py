@@ -22,10 +22,9 @@ from ..analysis.memory import (
 from ..core.costs import kv_n_bytes_per_token
 from ..core.memory import MIB, kv_n_bytes_per_sequence, kv_plan
 from ..core.records import Footprint as FootprintRecord
-from ..core.records import Measurement
 from ..core.specs import ModelSpec, resolve_spec
-from ..levers.common import round_ratio
-from ..render.plotkit import plain_log2, plain_log_y, plt, save
+from ..levers.common import round_ratio, spec_of
+from ..render.plotkit import doubling_y, plain_log2, plt, save
 from .templating import GIB, Figure, Provenance, provenance
 
 PLOT = "memory_vs_context"
@@ -224,14 +223,14 @@ class MemoryLesson:
         return all(w.buffer_equal_file for w in self.weights)
 
     @property
-    def buffer_gap_max(self) -> float:
-        return max(abs(w.buffer_gap) for w in self.weights)
+    def buffer_gap_max(self) -> float | None:
+        return max((abs(w.buffer_gap) for w in self.weights), default=None)
 
     @property
-    def rss_shares(self) -> tuple[float, float]:
+    def rss_shares(self) -> tuple[float, float] | None:
         """The smallest and largest RSS that loading added, as a share of the buffers."""
         shares = [1 + w.rss_gap for w in self.weights]
-        return min(shares), max(shares)
+        return (min(shares), max(shares)) if shares else None
 
     @property
     def kv_extremes(self) -> tuple[KvRow, KvRow] | None:
@@ -288,7 +287,7 @@ def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryL
         weights=tuple(_weight_rows(plan, loads)), kv=tuple(_kv_rows(plan, specs, loads)),
         points=tuple(_points(plan, specs, loads)),
         users=tuple(_users_rows(plan, specs, loads, ram)),
-        costs=tuple(_costs(records.measurements)), overheads=_overheads(plan, specs, loads),
+        costs=tuple(_costs(records)), overheads=_overheads(plan, specs, loads),
         ram_available_gib=ram / GIB if ram else None,
         failures=tuple(f"{f.model} {f.dtype}, {f.n_users} × {f.context:,} tokens of {f.kv_type} "
                        f"cache: {f.error}" for f in footprints(records) if f.error),
@@ -376,9 +375,10 @@ def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int |
     return rows
 
 
-def _costs(measurements: list[Measurement]) -> list[CacheCost]:
+def _costs(records) -> list[CacheCost]:
     """Every decode-at-depth cell, against the F16 cell of the same model, type and depth."""
-    deep = [m for m in measurements if m.depth and m.n_gen and m.decode_tok_s]
+    deep = [m for m in records.measurements if m.depth and m.n_gen and m.decode_tok_s
+            and m.model_key in records.models]
     out = []
     for m in sorted(deep, key=lambda m: (m.model, m.dtype, m.depth,
                                          FIT_KV_TYPES.index(m.kv_type)
@@ -386,7 +386,7 @@ def _costs(measurements: list[Measurement]) -> list[CacheCost]:
         base = next((b for b in deep if (b.model, b.dtype, b.depth, b.n_gen, b.kv_type)
                      == (m.model, m.dtype, m.depth, m.n_gen, "f16")), None)
         ratio = round_ratio(m, base, "decode") if base else None
-        spec = resolve_spec(m.model)
+        spec = spec_of(records.models, m.model_key)
         out.append(CacheCost(m.model, m.dtype, m.kv_type, m.depth,
                              round(kv_n_bytes_per_token(spec, m.kv_type, m.kv_type)),
                              Figure.of(m.decode_tok_s), Figure.of(ratio),
@@ -428,18 +428,21 @@ def plot_memory(lesson: MemoryLesson, specs: dict[str, ModelSpec], fixed: dict[s
             ax.plot(contexts, [(base + n * (kv_n_bytes_per_sequence(spec, c) + output[model]))
                                / GIB for c in contexts], "-", label=f"{n} user{'s' * (n > 1)}")
         points = [p for p in lesson.points if p.model == model]
+        ax.plot([lesson.context] * len(points), [p.buffers_gib for p in points], "o",
+                mfc="none", color="0.2", label="llama.cpp's buffers, measured")
         ax.plot([lesson.context] * len(points), [p.rss_gib for p in points], "kx",
-                label="measured RSS")
+                label="RSS, measured")
         ax.axhline(lesson.ram_available_gib, color="0.3", ls="--", lw=1,
                    label="available RAM")
         plain_log2(ax)
-        plain_log_y(ax)
+        doubling_y(ax)
         ax.set_title(model, fontsize=10)
         ax.set_xlabel("tokens per user (F16 cache)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("memory (GiB)")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(plot_title(lesson, users), fontsize=10)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=6,
+               fontsize=8, bbox_to_anchor=(0.5, -0.08))
+    fig.suptitle(plot_title(lesson, users), fontsize=10, y=1.06)
     return save(fig, out_dir, PLOT)
 
 
