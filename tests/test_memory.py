@@ -236,3 +236,13 @@ def test_the_page_names_the_sliding_window_and_the_resident_cache(run_cli):
     assert "at the full context (swa_full, its default)" in text
     assert "1,024 cells for the 1,000 asked (it rounds" in text
     assert "| sliding window | 1 | 1,024 | 1 |" in text
+
+
+def test_a_catalogue_machines_fit_is_called_modelled(run_cli):
+    args = ("memory", "tiny-qwen2", "--context", "256", "--mmap", "off")
+    modelled = run_cli(*args, "--hardware", "nvidia-rtx-4090")
+    assert modelled.exit_code == 0, modelled.stderr
+    assert "Modelled: that machine's memory" in modelled.stdout
+    here = run_cli(*args, "--ram", "2GB", "--json")
+    assert json.loads(here.stdout)["fit"]["modelled"] is False
+    assert "Modelled" not in run_cli(*args, "--ram", "2GB").stdout

@@ -67,7 +67,7 @@ def test_the_page_its_plot_and_full_report_are_written(memory_run):
                     "## How many users fit", "## What a quantized cache costs",
                     "## Where llama.cpp's allocation differs"):
         assert heading in text
-    assert "in all 4 loads" in text and "every file's tensor bytes to the byte" in text
+    assert "in all 4 loads" in text and "gave its tensor bytes to the byte" in text
     assert len(text.split()) <= 1500
     widest = max(line.count("|") - 1 for line in text.splitlines() if line.startswith("|"))
     assert widest <= 8
@@ -123,12 +123,12 @@ def test_a_load_that_fails_is_recorded_and_named_on_the_page(memory_run, tmp_pat
     text = render("memory_lesson", lesson)
     assert text.count("> **Failed:**") == 2 and "failed to create the context" in text
     assert {p.n_users for p in lesson.points} == {1}  # the points are the loads measured
-    assert "crosses RSS, measured with 1 user of 256 tokens." in text
+    assert "crosses: RSS; measured with caches for 1 user of 256 tokens." in text
 
 
 @pytest.mark.parametrize(("against", "words"), [
-    (Figure(0.80, 0.75, 0.85), "decode ran 20% slower than with F16"),
-    (Figure(1.10, 1.05, 1.15), "decode ran 10% faster than with F16"),
+    (Figure(0.80, 0.75, 0.85), "20% fewer tokens per second than F16"),
+    (Figure(1.10, 1.05, 1.15), "10% more tokens per second than F16"),
     (Figure(0.99, 0.90, 1.08), "no difference from F16 within the interval"),
 ])
 def test_the_cost_sentence_follows_the_measurement(memory_run, against, words):

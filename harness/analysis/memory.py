@@ -17,6 +17,8 @@ from ..engine.footprint import Footprint, LoggedCache
 RSS_TOLERANCE = 0.10  # the parts must explain RSS within this share, or the gap is named
 VISIBLE_KV_MIB = 16.0  # a cache smaller than this is lost in RSS's page-level noise
 FIT_KV_TYPES = ("f16", "q8_0", "q4_0")
+# where a fit's memory comes from: these two are this machine's, anything else a catalogue's
+RAM_FROM_FLAG, RAM_FROM_AVAILABLE = "--ram", "this machine's available RAM"
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,11 @@ class Memory:
     output_n_bytes_per_sequence: int
     fits: tuple[FitRow, ...]
     seconds: float
+
+    @property
+    def ram_modelled(self) -> bool:
+        """Another machine's memory, fitted beside the buffers llama.cpp allocated here."""
+        return self.ram_from not in (RAM_FROM_FLAG, RAM_FROM_AVAILABLE)
 
 
 def _mib(footprint: Footprint, holds: str, where: str | None = None) -> float:

@@ -25,15 +25,15 @@ KV_MEMORY_CONTEXTS = (2048, 8192, 32768, 131072)
 
 def kv_depth_rows(measurements: list[Measurement], models: dict[str, Model]) -> list[dict]:
     """Decode at each depth with its measured slowdown (against the paired depth-0 baseline)
-    and the slowdown its bytes predict. Only groups that vary depth, or use a non-F16 cache,
-    are shown."""
+    and the slowdown its bytes predict. Groups with an F16 cache and nothing cached are left out;
+    a cell at a depth has its own paired baseline, so it is shown alone too."""
     singles = [m for m in measurements if m.kind == "single" and m.n_gen
                and m.decode_tok_s and m.model_key in models]
     rows = []
     for group in group_records(singles, lambda m: (m.model_key, m.threads, m.kv_type,
                                                    m.n_prompt, m.n_gen)):
         depths = {m.depth for m in group}
-        if len(depths) < 2 and group[0].kv_type == "f16":
+        if depths == {0} and group[0].kv_type == "f16":  # nothing cached, nothing to show
             continue
         group.sort(key=lambda m: m.depth)
         base = group[0]

@@ -11,7 +11,15 @@ from pathlib import Path
 import psutil
 
 from ..analysis.estimates import HARDWARE
-from ..analysis.memory import Memory, fixed_n_bytes, load_of, memory, output_n_bytes_per_sequence
+from ..analysis.memory import (
+    RAM_FROM_AVAILABLE,
+    RAM_FROM_FLAG,
+    Memory,
+    fixed_n_bytes,
+    load_of,
+    memory,
+    output_n_bytes_per_sequence,
+)
 from ..core.dtypes import KV_CACHE_TYPES, KV_NEEDS_FLASH_ATTN, kv_block_problem
 from ..core.errors import HarnessError
 from ..core.memory import MIB, fit, pad
@@ -57,14 +65,15 @@ def ram_budget(ram: str | None, hardware: str | None) -> tuple[int, str]:
         raise HarnessError("--ram and --hardware both name a memory size", key="--hardware",
                            fix="give one of them")
     if ram:
-        return parse_ram(ram), "--ram"
+        return parse_ram(ram), RAM_FROM_FLAG
     if hardware:
         if hardware not in HARDWARE:
             raise HarnessError(f"unknown hardware {hardware!r}", key="--hardware",
                                fix="one of " + ", ".join(HARDWARE))
         hw = HARDWARE[hardware]
-        return int(hw["memory_gb"] * 1e9), f"{hw['name']}, {hw['memory_gb']:.0f} GB"
-    return psutil.virtual_memory().available, "this machine's available RAM"
+        # a memory's marketed GB are GiB (a "24 GB" card holds 24 GiB)
+        return int(hw["memory_gb"] * 2**30), f"{hw['name']}, {hw['memory_gb']:.0f} GiB"
+    return psutil.virtual_memory().available, RAM_FROM_AVAILABLE
 
 
 def check_request(spec: ModelSpec, n_ctx: int, n_seq: int, kv_type: str) -> None:
@@ -147,6 +156,7 @@ def memory_json(m: Memory) -> dict:
                      "equal": m.kv.equal},
         "loads": [_load_json(ld) for ld in m.loads],
         "fit": {"ram_n_bytes": m.ram_n_bytes, "ram_from": m.ram_from,
+                "modelled": m.ram_modelled,
                 "fixed_n_bytes": m.fixed_n_bytes,
                 "output_n_bytes_per_sequence": m.output_n_bytes_per_sequence,
                 "rows": [{"kv_type": r.kv_type, "n_bytes_per_token": r.n_bytes_per_token}

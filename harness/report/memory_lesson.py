@@ -4,7 +4,7 @@ and its plot. Pure (records -> MemoryLesson); the words are in templates/memory_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..analysis.estimates import HARDWARE
@@ -19,8 +19,9 @@ from ..analysis.memory import (
     output_n_bytes_per_sequence,
     weights_of,
 )
-from ..core.costs import kv_n_bytes_per_token
-from ..core.memory import MIB, kv_n_bytes_per_sequence, kv_plan
+from ..core.costs import decode_n_bytes_per_token, kv_n_bytes_per_token, mean_decode_context
+from ..core.dtypes import DTYPES
+from ..core.memory import MIB, fit, kv_n_bytes_per_sequence, kv_plan
 from ..core.records import Footprint as FootprintRecord
 from ..core.specs import ModelSpec, resolve_spec
 from ..levers.common import round_ratio, spec_of
@@ -28,6 +29,7 @@ from ..render.plotkit import doubling_y, plain_log2, plt, save
 from .templating import GIB, Figure, Provenance, provenance
 
 PLOT = "memory_vs_context"
+UNBOUNDED_CONTEXT = 1 << 40  # a trained context no memory reaches
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,14 @@ class WeightRow:
     rss_gib: float  # what loading added to the process's resident memory
     mix: tuple[tuple[str, float], ...]  # the file's tensor types and their share of parameters
     slack_n_bytes: int  # llama.cpp logs each buffer to 0.01 MiB: half of that per buffer
+    nominal_bits: float  # the bits per weight of the type the file is named after
+    n_params: int
+    hidden_size: int  # a K-quant's super-block of 256 must divide a tensor's rows
+
+    @property
+    def nominal_gib(self) -> float:
+        """Parameters × the named type's bits: what the type's name alone predicts."""
+        return self.n_params * self.nominal_bits / 8 / GIB
 
     @property
     def formula_gib(self) -> float:
@@ -85,6 +95,7 @@ class KvRow:
     model: str
     n_layers: int
     n_kv_heads: int
+    n_heads: int  # query heads, which share the KV heads (grouped-query attention)
     head_dim: int
     kv_type: str
     n_bytes_per_token: int
@@ -118,8 +129,13 @@ class UsersRow:
     memory_gib: float
     modelled: bool  # another machine: the weights and buffers as llama.cpp allocated them here
     users: tuple[int | None, ...]  # per kv_types; None: that type cannot hold these heads
-    longest_context: int  # one user, F16 cache
-    longest_capped: bool  # the model's trained context, not memory, stops it
+    longest_context: int  # what memory allows one user, F16 cache (beyond training too)
+    trained_context: int
+
+    @property
+    def longest_capped(self) -> bool:
+        """The model's trained context, not memory, is the limit."""
+        return self.longest_context >= self.trained_context
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,8 @@ class CacheCost:
     stepped: bool  # its decode steps ran in turn with the other cells' (else round by round)
     at_budget: bool  # the run's time budget stopped it before its target interval
     slowdown: Figure | None  # at depth ÷ with an empty cache, in the same repetitions
+    predicted_slowdown: float  # what the extra bytes read per step alone predict
+    flash_attn: bool | None
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,7 @@ class Overheads:
     n_ubatch: int
     compute_touched_mib: float  # what one decoded token made resident of it
     output_mib_per_user: float  # one row of logits
+    n_vocab: int
     repacked: tuple[tuple[str, float], ...]  # files whose weights llama.cpp repacked, MiB
     kv_resident_at_creation: bool | None
     rss_gap: float  # RSS against every buffer, as a share
@@ -170,6 +189,7 @@ class LoadRow:
     output_mib: float
     compute_mib: float
     parts_mib: float  # the process before loading and every buffer
+    loaded_mib: float  # what loading the model added to RSS
     rss_mib: float  # after one decoded token
     seconds: float  # the load and its stages, in its fresh process
 
@@ -182,11 +202,17 @@ class LoadTable:
     rows: tuple[LoadRow, ...]
 
 
+def _stage_gap_mib(load: Load, first: str, then: str) -> float:
+    stages = {s.stage: s.rss_n_bytes for s in load.footprint.stages}
+    return (stages[then] - stages[first]) / MIB
+
+
 def load_table(records) -> LoadTable:
     plan = memory_plan(records)
     rows = tuple(LoadRow(r.model, r.dtype, r.kv_type, r.n_users, ld.model_mib,
                          ld.repacked_mib, ld.kv_mib, ld.output_mib, ld.compute_mib,
-                         ld.parts_mib, ld.rss_mib,
+                         ld.parts_mib, _stage_gap_mib(ld, "before loading", "model loaded"),
+                         ld.rss_mib,
                          sum(st.seconds for st in ld.footprint.stages))
                  for r, ld in _loads(records).values())
     return LoadTable(plan["context"], rows)
@@ -240,6 +266,14 @@ class MemoryLesson:
         return (f16[0], f16[-1]) if len(f16) > 1 else None
 
     @property
+    def kv_inversion(self) -> tuple[KvRow, KvRow] | None:
+        """A model with larger weights but a smaller cache per token than another (F16)."""
+        size = {w.model: w.file_n_bytes for w in self.weights if w.dtype == self.weights_dtype}
+        f16 = [r for r in self.kv if r.kv_type == "f16" and r.model in size]
+        return next(((a, b) for a in f16 for b in f16 if size[a.model] > size[b.model]
+                     and a.n_bytes_per_token < b.n_bytes_per_token), None)
+
+    @property
     def point_shares(self) -> tuple[float, float] | None:
         """The smallest and largest RSS of the loaded users, as a share of the formula."""
         shares = [1 + p.gap for p in self.points]
@@ -284,7 +318,7 @@ def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryL
         title=scenario.get("title", ""), intro=scenario.get("description", ""),
         provenance=provenance(header, header.env or {}, scenario), context=plan["context"],
         weights_dtype=plan["weights"], kv_types=tuple(plan["kv_types"]),
-        weights=tuple(_weight_rows(plan, loads)), kv=tuple(_kv_rows(plan, specs, loads)),
+        weights=tuple(_weight_rows(plan, specs, loads)), kv=tuple(_kv_rows(plan, specs, loads)),
         points=tuple(_points(plan, specs, loads)),
         users=tuple(_users_rows(plan, specs, loads, ram)),
         costs=tuple(_costs(records)), overheads=_overheads(plan, specs, loads),
@@ -294,7 +328,7 @@ def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryL
         plot=plot, full_report=full_report)
 
 
-def _weight_rows(plan: dict, loads: dict) -> list[WeightRow]:
+def _weight_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[WeightRow]:
     rows = []
     for model in plan["models"]:
         for dtype in plan["dtypes"]:
@@ -304,14 +338,14 @@ def _weight_rows(plan: dict, loads: dict) -> list[WeightRow]:
             types = weights_of(record.weights)
             formula = sum(w.formula_n_bytes for w in types)
             n_params = sum(w.n_params for w in types)
-            stages = {s.stage: s.rss_n_bytes for s in load.footprint.stages}
             rows.append(WeightRow(
                 model, dtype, formula * 8 / n_params, formula,
                 sum(w.file_n_bytes for w in types), load.model_mib * MIB / GIB,
-                (stages["model loaded"] - stages["before loading"]) / GIB,
+                _stage_gap_mib(load, "before loading", "model loaded") * MIB / GIB,
                 tuple((w.type_name, w.n_params / n_params)
                       for w in sorted(types, key=lambda w: -w.n_params)),
-                sum(b.holds == "model" for b in load.footprint.buffers) * MIB // 200))
+                sum(b.holds == "model" for b in load.footprint.buffers) * MIB // 200,
+                DTYPES[dtype].bits_per_weight, n_params, specs[model].hidden_size))
     return rows
 
 
@@ -323,8 +357,9 @@ def _kv_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[KvRow
             found = loads.get((model, plan["weights"], kv, 1))
             logged = found[1].footprint.caches if found else ()
             rows.append(KvRow(model, spec.num_hidden_layers, spec.num_key_value_heads,
-                              spec.head_dim, kv, round(kv_n_bytes_per_token(spec, kv, kv)),
-                              plan_kv.n_bytes / MIB, sum(c.mib for c in logged) if found else None,
+                              spec.num_attention_heads, spec.head_dim, kv,
+                              round(kv_n_bytes_per_token(spec, kv, kv)), plan_kv.n_bytes / MIB,
+                              sum(c.mib for c in logged) if found else None,
                               bool(found) and KvCheck(plan_kv, logged).equal))
     return rows
 
@@ -351,7 +386,9 @@ def _points(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[Point]
 
 def _machines(ram: int | None) -> list[tuple[str, int, bool]]:
     here = [("this machine (free)", ram, False)] if ram else []
-    return here + [(hw["name"].split(" (")[0], int(hw["memory_gb"] * 1e9), True)
+    # a memory's marketed GB are GiB: a "24 GB" RTX 4090 has 24,564 MiB, a "192 GB" M2 Ultra
+    # 192 GiB
+    return here + [(hw["name"].split(" (")[0], int(hw["memory_gb"] * GIB), True)
                    for hw in HARDWARE.values()]
 
 
@@ -364,14 +401,16 @@ def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int |
             if not found:
                 continue
             load = found[1]
+            fixed, output = fixed_n_bytes((load,)), output_n_bytes_per_sequence(load)
             fits = {r.kv_type: r.fit for r in fit_rows(
-                spec, n_bytes, fixed_n_bytes((load,)), kv_plan(spec, plan["context"]).n_ctx_seq,
-                output_n_bytes_per_sequence(load))}
-            f16 = fits["f16"]
+                spec, n_bytes, fixed, kv_plan(spec, plan["context"]).n_ctx_seq, output)}
+            # memory's own limit, past the trained context
+            unbounded = fit(replace(spec, max_position_embeddings=UNBOUNDED_CONTEXT), n_bytes,
+                            fixed, plan["context"], output_n_bytes_per_sequence=output)
             rows.append(UsersRow(model, machine, n_bytes / GIB, modelled,
                                  tuple(fits[k].n_sequences if fits.get(k) else None
                                        for k in plan["kv_types"]),
-                                 f16.longest_context, f16.longest_capped))
+                                 unbounded.longest_context, spec.max_position_embeddings))
     return rows
 
 
@@ -392,8 +431,19 @@ def _costs(records) -> list[CacheCost]:
                              Figure.of(m.decode_tok_s), Figure.of(ratio),
                              bool(ratio and ratio.get("paired")), m.interleave == "step",
                              m.stopped_by == "budget",
-                             Figure.of(m.paired_slowdown)))
+                             Figure.of(m.paired_slowdown), _bytes_slowdown(m, records, spec),
+                             m.flash_attn_used if m.flash_attn_used is not None
+                             else m.flash_attn))
     return out
+
+
+def _bytes_slowdown(m, records, spec: ModelSpec) -> float:
+    """A step's bytes at the depth ÷ with an empty cache: the slowdown bytes alone predict."""
+    weights = records.models[m.model_key].decode_weight_n_bytes or 0
+    per_token = kv_n_bytes_per_token(spec, m.kv_type, m.kv_type)
+    context = mean_decode_context(m.n_prompt, m.n_gen)
+    return (decode_n_bytes_per_token(weights, per_token, m.depth + context)
+            / decode_n_bytes_per_token(weights, per_token, context))
 
 
 def _overheads(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> Overheads | None:
@@ -407,7 +457,8 @@ def _overheads(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> Overhead
                 if m == model and k == "f16" and u == 1 and ld.repacked_mib]
     return Overheads(model, plan["context"], load.footprint.n_ctx_seq, load.compute_mib,
                      load.footprint.params.n_ubatch, load.compute_touched_mib,
-                     output_n_bytes_per_sequence(load) / MIB, tuple(repacked),
+                     output_n_bytes_per_sequence(load) / MIB, load.footprint.n_vocab,
+                     tuple(repacked),
                      load.kv_resident_at_creation, load.gap, load.gap_without_untouched)
 
 
