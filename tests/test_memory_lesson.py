@@ -129,7 +129,7 @@ def test_a_load_that_fails_is_recorded_and_named_on_the_page(memory_run, tmp_pat
 @pytest.mark.parametrize(("against", "words"), [
     (Figure(0.80, 0.75, 0.85), "20% fewer tokens per second than F16"),
     (Figure(1.10, 1.05, 1.15), "10% more tokens per second than F16"),
-    (Figure(0.99, 0.90, 1.08), "no difference from F16 within the interval"),
+    (Figure(0.99, 0.90, 1.08), "no difference from F16 within the interval."),
 ])
 def test_the_cost_sentence_follows_the_measurement(memory_run, against, words):
     _, records, _ = memory_run

@@ -4,7 +4,7 @@ and its plot. Pure (records -> MemoryLesson); the words are in templates/memory_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.estimates import HARDWARE
@@ -12,7 +12,6 @@ from ..analysis.memory import (
     FIT_KV_TYPES,
     KvCheck,
     Load,
-    fit_rows,
     fixed_n_bytes,
     footprint_of,
     load_of,
@@ -20,7 +19,7 @@ from ..analysis.memory import (
     weights_of,
 )
 from ..core.costs import decode_n_bytes_per_token, kv_n_bytes_per_token, mean_decode_context
-from ..core.dtypes import DTYPES
+from ..core.dtypes import DTYPES, kv_block_problem
 from ..core.memory import MIB, fit, kv_n_bytes_per_sequence, kv_plan
 from ..core.records import Footprint as FootprintRecord
 from ..core.specs import ModelSpec, resolve_spec
@@ -29,7 +28,6 @@ from ..render.plotkit import doubling_y, plain_log2, plt, save
 from .templating import GIB, Figure, Provenance, provenance
 
 PLOT = "memory_vs_context"
-UNBOUNDED_CONTEXT = 1 << 40  # a trained context no memory reaches
 
 
 @dataclass(frozen=True)
@@ -129,13 +127,6 @@ class UsersRow:
     memory_gib: float
     modelled: bool  # another machine: the weights and buffers as llama.cpp allocated them here
     users: tuple[int | None, ...]  # per kv_types; None: that type cannot hold these heads
-    longest_context: int  # what memory allows one user, F16 cache (beyond training too)
-    trained_context: int
-
-    @property
-    def longest_capped(self) -> bool:
-        """The model's trained context, not memory, is the limit."""
-        return self.longest_context >= self.trained_context
 
 
 @dataclass(frozen=True)
@@ -152,6 +143,8 @@ class CacheCost:
     paired: bool
     stepped: bool  # its decode steps ran in turn with the other cells' (else round by round)
     at_budget: bool  # the run's time budget stopped it before its target interval
+    ci_reached: float | None  # the widest relative half-width of its contrasts when it stopped
+    target_ci: float | None
     slowdown: Figure | None  # at depth ÷ with an empty cache, in the same repetitions
     predicted_slowdown: float  # what the extra bytes read per step alone predict
     flash_attn: bool | None
@@ -234,7 +227,8 @@ class MemoryLesson:
     users: tuple[UsersRow, ...]
     costs: tuple[CacheCost, ...]
     overheads: Overheads | None
-    ram_available_gib: float | None
+    ram_available_gib: float | None  # when the first load began: the users table's figure
+    ram_available_range_gib: tuple[float, float] | None  # over every load of the run
     failures: tuple[str, ...]
     plot: str | None
     full_report: str | None
@@ -253,10 +247,10 @@ class MemoryLesson:
         return max((abs(w.buffer_gap) for w in self.weights), default=None)
 
     @property
-    def rss_shares(self) -> tuple[float, float] | None:
-        """The smallest and largest RSS that loading added, as a share of the buffers."""
-        shares = [1 + w.rss_gap for w in self.weights]
-        return (min(shares), max(shares)) if shares else None
+    def rss_extra_mib(self) -> tuple[float, float] | None:
+        """The least and most RSS that loading added beyond llama.cpp's buffers."""
+        extra = [(w.rss_gib - w.buffer_gib) * GIB / MIB for w in self.weights]
+        return (min(extra), max(extra)) if extra else None
 
     @property
     def kv_extremes(self) -> tuple[KvRow, KvRow] | None:
@@ -323,9 +317,15 @@ def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryL
         users=tuple(_users_rows(plan, specs, loads, ram)),
         costs=tuple(_costs(records)), overheads=_overheads(plan, specs, loads),
         ram_available_gib=ram / GIB if ram else None,
+        ram_available_range_gib=_ram_range(footprints(records)),
         failures=tuple(f"{f.model} {f.dtype}, {f.n_users} × {f.context:,} tokens of {f.kv_type} "
                        f"cache: {f.error}" for f in footprints(records) if f.error),
         plot=plot, full_report=full_report)
+
+
+def _ram_range(found: list[FootprintRecord]) -> tuple[float, float] | None:
+    free = [f.ram_available_n_bytes / GIB for f in found if f.ram_available_n_bytes]
+    return (min(free), max(free)) if free else None
 
 
 def _weight_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[WeightRow]:
@@ -400,18 +400,21 @@ def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int |
             found = loads.get((model, plan["weights"], "f16", 1))
             if not found:
                 continue
-            load = found[1]
-            fixed, output = fixed_n_bytes((load,)), output_n_bytes_per_sequence(load)
-            fits = {r.kv_type: r.fit for r in fit_rows(
-                spec, n_bytes, fixed, kv_plan(spec, plan["context"]).n_ctx_seq, output)}
-            # memory's own limit, past the trained context
-            unbounded = fit(replace(spec, max_position_embeddings=UNBOUNDED_CONTEXT), n_bytes,
-                            fixed, plan["context"], output_n_bytes_per_sequence=output)
-            rows.append(UsersRow(model, machine, n_bytes / GIB, modelled,
-                                 tuple(fits[k].n_sequences if fits.get(k) else None
-                                       for k in plan["kv_types"]),
-                                 unbounded.longest_context, spec.max_position_embeddings))
+            rows.append(UsersRow(model, machine, n_bytes / GIB, modelled, tuple(
+                _users(spec, n_bytes, plan, k, loads.get((model, plan["weights"], k, 1), found))
+                for k in plan["kv_types"])))
     return rows
+
+
+def _users(spec: ModelSpec, n_bytes: int, plan: dict, kv: str, found: tuple) -> int | None:
+    """Users of the plan's context that fit in n_bytes with a cache of type kv, beside that
+    cache type's own load (its compute buffer differs with flash attention)."""
+    if kv_block_problem(kv, spec.head_dim, spec.name):
+        return None
+    load = found[1]
+    return fit(spec, n_bytes, fixed_n_bytes((load,)), kv_plan(spec, plan["context"]).n_ctx_seq,
+               kv, kv, output_n_bytes_per_sequence=output_n_bytes_per_sequence(load)
+               ).n_sequences
 
 
 def _costs(records) -> list[CacheCost]:
@@ -430,7 +433,8 @@ def _costs(records) -> list[CacheCost]:
                              round(kv_n_bytes_per_token(spec, m.kv_type, m.kv_type)),
                              Figure.of(m.decode_tok_s), Figure.of(ratio),
                              bool(ratio and ratio.get("paired")), m.interleave == "step",
-                             m.stopped_by == "budget",
+                             m.stopped_by == "budget", m.ci_reached,
+                             (m.policy or {}).get("target_ci"),
                              Figure.of(m.paired_slowdown), _bytes_slowdown(m, records, spec),
                              m.flash_attn_used if m.flash_attn_used is not None
                              else m.flash_attn))
