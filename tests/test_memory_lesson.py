@@ -13,7 +13,7 @@ from conftest import ROOT, measure_scenario
 
 from harness.core.records import Footprint
 from harness.report.files import write_report
-from harness.report.memory_lesson import memory_lesson
+from harness.report.memory_lesson import memory_lesson, memory_loads
 from harness.report.templating import Figure, render
 
 SCENARIO = ROOT / "tests" / "scenarios" / "tiny_memory.yaml"
@@ -37,7 +37,7 @@ def test_every_load_of_the_memory_block_is_one_footprint_record(memory_run):
 
 def test_each_formula_is_checked_against_llama_cpp(memory_run):
     _, records, _ = memory_run
-    lesson = memory_lesson(records, None, "full.md")
+    lesson = memory_lesson(records, memory_loads(records), None, "full.md")
     assert [(w.model, w.dtype) for w in lesson.weights] == [
         ("tiny-qwen2", "f32"), ("tiny-qwen2", "q8_0"), ("tiny-qwen3", "f32"),
         ("tiny-qwen3", "q8_0")]
@@ -119,7 +119,7 @@ def test_a_load_that_fails_is_recorded_and_named_on_the_page(memory_run, tmp_pat
     records = read_records(run / "results.jsonl")
     failed = [f for f in records.of_type(Footprint) if f.error]
     assert [(f.model, f.n_users) for f in failed] == [("tiny-qwen2", 4), ("tiny-qwen3", 4)]
-    lesson = memory_lesson(records, None, None)
+    lesson = memory_lesson(records, memory_loads(records), None, None)
     text = render("memory_lesson", lesson)
     assert text.count("> **Failed:**") == 2 and "failed to create the context" in text
     assert {p.n_users for p in lesson.points} == {1}  # the points are the loads measured
@@ -133,7 +133,7 @@ def test_a_load_that_fails_is_recorded_and_named_on_the_page(memory_run, tmp_pat
 ])
 def test_the_cost_sentence_follows_the_measurement(memory_run, against, words):
     _, records, _ = memory_run
-    lesson = memory_lesson(records, None, None)
+    lesson = memory_lesson(records, memory_loads(records), None, None)
     costs = (lesson.costs[0], replace(lesson.costs[1], against_f16=against))
     text = render("memory_lesson", replace(lesson, costs=costs))
     assert f"Q8_0: {words}" in text
@@ -141,7 +141,7 @@ def test_the_cost_sentence_follows_the_measurement(memory_run, against, words):
 
 def test_a_kv_buffer_the_formula_misses_is_not_called_equal(memory_run):
     _, records, _ = memory_run
-    lesson = memory_lesson(records, None, None)
+    lesson = memory_lesson(records, memory_loads(records), None, None)
     kv = (replace(lesson.kv[0], equal=False), *lesson.kv[1:])
     text = render("memory_lesson", replace(lesson, kv=kv))
     assert "in 3 of 4 loads" in text and "in all 4 loads" not in text
@@ -160,6 +160,6 @@ def test_a_run_stopped_before_its_loads_says_so(memory_run, tmp_path):
     (tmp_path / "results.jsonl").write_text(
         "".join(ln for ln in lines if '"type":"footprint"' not in ln))
     records = read_records(tmp_path / "results.jsonl")
-    text = render("memory_lesson", memory_lesson(records, None, None))
+    text = render("memory_lesson", memory_lesson(records, memory_loads(records), None, None))
     assert "**Not measured yet:**" in text and "## Weights" not in text
     assert "## How many users fit" not in text and "## What a quantized cache costs" in text

@@ -55,6 +55,12 @@ class Load:
     kv_resident_at_creation: bool | None  # None: too small a cache to see in RSS
 
     @property
+    def loaded_mib(self) -> float:
+        """What loading the model added to RSS."""
+        return (_stage_mib(self.footprint, "model loaded")
+                - _stage_mib(self.footprint, "before loading"))
+
+    @property
     def gap(self) -> float:
         """RSS against the parts, as a share of the parts."""
         return self.rss_mib / self.parts_mib - 1
@@ -133,11 +139,17 @@ def load_of(footprint: Footprint) -> Load:
                 at_creation)
 
 
+def catalogue_memory_n_bytes(hardware: dict) -> int:
+    """A catalogue machine's memory: its marketed GB are GiB (a "24 GB" card holds 24 GiB)."""
+    return int(hardware["memory_gb"] * 2**30)
+
+
 def fit_rows(spec: ModelSpec, ram_n_bytes: int, fixed_n_bytes: int, n_ctx_seq: int,
-             output_per_seq: int) -> tuple[FitRow, ...]:
+             output_per_seq: int, kv_types: tuple[str, ...] = FIT_KV_TYPES
+             ) -> tuple[FitRow, ...]:
     """Users of n_ctx_seq tokens that fit, and one user's longest context, per cache type."""
     rows = []
-    for kv_type in FIT_KV_TYPES:
+    for kv_type in kv_types:
         per_token = round(kv_n_bytes_per_token(spec, kv_type, kv_type))
         problem = kv_block_problem(kv_type, spec.head_dim, spec.name)
         if problem:

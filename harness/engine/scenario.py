@@ -299,12 +299,9 @@ def _memory(doc: Doc, data: dict, models: list[ModelRef]) -> MemoryPlan:
                                           allow_scalar=True))]
     shortest = min(s.max_position_embeddings for s in specs)
     context = want_int(doc, path + ("context",), block["context"], minimum=1, maximum=shortest)
-    kv_types = list(dict.fromkeys(["f16", *_words(doc, path + ("kv_cache_type",),
-                                                  block.get("kv_cache_type", ["f16"]))]))
+    kv_types = list(dict.fromkeys(["f16", *_kv_types(doc, path,
+                                                     block.get("kv_cache_type", ["f16"]))]))
     for kv in kv_types:
-        if kv not in KV_CACHE_TYPES:
-            raise doc.error(path + ("kv_cache_type",), f"unknown KV cache type {kv!r}",
-                            fix="one of " + ", ".join(KV_CACHE_TYPES))
         for spec in specs:
             if problem := kv_block_problem(kv, spec.head_dim, spec.name):
                 raise doc.error(path + ("kv_cache_type",), problem, fix="leave it out")
@@ -315,10 +312,6 @@ def _memory(doc: Doc, data: dict, models: list[ModelRef]) -> MemoryPlan:
                         fix="name one of " + ", ".join(dtypes))
     return MemoryPlan(tuple(s.name for s in specs), tuple(dtypes), context, tuple(kv_types),
                       tuple(dict.fromkeys(users)), weights)
-
-
-def _words(doc: Doc, path: tuple, value: object) -> list[str]:
-    return [want_str(doc, path, v) for v in _list(doc, path, value, allow_scalar=True)]
 
 
 def _template(doc: Doc, data: dict, path: Path) -> str:
@@ -595,18 +588,22 @@ def _expand_test(doc: Doc, path: tuple, test: object, models: list[ModelRef],
     return out
 
 
-def _levers(doc: Doc, path: tuple, test: dict) -> list[dict]:
-    """The cross product of a test's depth, KV cache type, parallel and shared_prefix lists."""
-    depths = _token_counts(doc, path + ("depth",), test.get("depth", 0))
-    kv_types = []
-    for i, v in enumerate(_list(doc, path + ("kv_cache_type",), test.get("kv_cache_type", "f16"),
-                                allow_scalar=True)):
-        key = path + ("kv_cache_type",) + ((i,) if isinstance(test.get("kv_cache_type"),
-                                                                 list) else ())
+def _kv_types(doc: Doc, path: tuple, value: object) -> list[str]:
+    """A `kv_cache_type:` (one type or a list) under path, each a known cache type."""
+    out = []
+    for i, v in enumerate(_list(doc, path + ("kv_cache_type",), value, allow_scalar=True)):
+        key = path + ("kv_cache_type",) + ((i,) if isinstance(value, list) else ())
         if not isinstance(v, str) or v.lower() not in KV_CACHE_TYPES:
             raise doc.error(key, f"unknown KV cache type {v!r}",
                             fix="valid KV cache types: " + ", ".join(KV_CACHE_TYPES))
-        kv_types.append(v.lower())
+        out.append(v.lower())
+    return out
+
+
+def _levers(doc: Doc, path: tuple, test: dict) -> list[dict]:
+    """The cross product of a test's depth, KV cache type, parallel and shared_prefix lists."""
+    depths = _token_counts(doc, path + ("depth",), test.get("depth", 0))
+    kv_types = _kv_types(doc, path, test.get("kv_cache_type", "f16"))
     parallels = _counts(doc, path + ("parallel",), test.get("parallel", 1), 1, MAX_PARALLEL)
     prefixes = _token_counts(doc, path + ("shared_prefix",), test.get("shared_prefix", 0))
     return [{"depth": d, "kv_type": k, "parallel": p, "shared_prefix": x}

@@ -78,7 +78,7 @@ def _pages(records, analysis: dict, reference: dict | None, plots: list[str],
     from .course import course_page, page_plots
     from .lesson import full_sections, lesson_data
     from .page import run_sections
-    from .templating import SECTION_PAGES, render
+    from .templating import render
 
     if not as_lesson or str(template) in SECTION_PAGES:
         return {None: render(template or "full",
@@ -94,17 +94,19 @@ def _memory_pages(records, analysis: dict, plots: list[str], aside: Path,
     """A run with a `memory:` block: the memory lesson, and the full report beside it."""
     from dataclasses import replace
 
-    from .memory_lesson import load_table, memory_lesson, write_memory_plot
+    from .memory_lesson import load_table, memory_lesson, memory_loads, write_memory_plot
     from .page import run_sections
     from .templating import Section, render, template_path
 
-    lesson = memory_lesson(records, None, FULL_REPORT)
-    lesson = replace(lesson, plot=write_memory_plot(records, lesson, aside))
+    loads = memory_loads(records)
+    lesson = memory_lesson(records, loads, None, FULL_REPORT)
+    lesson = replace(lesson, plot=write_memory_plot(records, loads, lesson, aside))
     full = run_sections(report_data(records, analysis), plots)
-    loads = Section("memory_loads", render(template_path("memory_loads"), load_table(records)))
+    table = Section("memory_loads",
+                    render(template_path("memory_loads"), load_table(records, loads)))
     at = next((i for i, s in enumerate(full.sections) if s.name == "method"),
               len(full.sections))
-    full = replace(full, sections=(*full.sections[:at], loads, *full.sections[at:]))
+    full = replace(full, sections=(*full.sections[:at], table, *full.sections[at:]))
     return {None: render(template or "memory_lesson", lesson), FULL_REPORT: render("full", full)}
 
 

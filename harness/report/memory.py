@@ -15,6 +15,7 @@ from ..analysis.memory import (
     RAM_FROM_AVAILABLE,
     RAM_FROM_FLAG,
     Memory,
+    catalogue_memory_n_bytes,
     fixed_n_bytes,
     load_of,
     memory,
@@ -71,8 +72,7 @@ def ram_budget(ram: str | None, hardware: str | None) -> tuple[int, str]:
             raise HarnessError(f"unknown hardware {hardware!r}", key="--hardware",
                                fix="one of " + ", ".join(HARDWARE))
         hw = HARDWARE[hardware]
-        # a memory's marketed GB are GiB (a "24 GB" card holds 24 GiB)
-        return int(hw["memory_gb"] * 2**30), f"{hw['name']}, {hw['memory_gb']:.0f} GiB"
+        return catalogue_memory_n_bytes(hw), f"{hw['name']}, {hw['memory_gb']:.0f} GiB"
     return psutil.virtual_memory().available, RAM_FROM_AVAILABLE
 
 

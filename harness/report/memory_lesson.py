@@ -12,6 +12,8 @@ from ..analysis.memory import (
     FIT_KV_TYPES,
     KvCheck,
     Load,
+    catalogue_memory_n_bytes,
+    fit_rows,
     fixed_n_bytes,
     footprint_of,
     load_of,
@@ -19,8 +21,8 @@ from ..analysis.memory import (
     weights_of,
 )
 from ..core.costs import decode_n_bytes_per_token, kv_n_bytes_per_token, mean_decode_context
-from ..core.dtypes import DTYPES, kv_block_problem
-from ..core.memory import MIB, fit, kv_n_bytes_per_sequence, kv_plan
+from ..core.dtypes import DTYPES
+from ..core.memory import MIB, kv_n_bytes_per_sequence, kv_plan
 from ..core.records import Footprint as FootprintRecord
 from ..core.specs import ModelSpec, resolve_spec
 from ..levers.common import round_ratio, spec_of
@@ -195,19 +197,15 @@ class LoadTable:
     rows: tuple[LoadRow, ...]
 
 
-def _stage_gap_mib(load: Load, first: str, then: str) -> float:
-    stages = {s.stage: s.rss_n_bytes for s in load.footprint.stages}
-    return (stages[then] - stages[first]) / MIB
-
-
-def load_table(records) -> LoadTable:
+def load_table(records, loads: dict) -> LoadTable:
+    """Every load (memory_loads) as the full report's table."""
     plan = memory_plan(records)
     rows = tuple(LoadRow(r.model, r.dtype, r.kv_type, r.n_users, ld.model_mib,
                          ld.repacked_mib, ld.kv_mib, ld.output_mib, ld.compute_mib,
-                         ld.parts_mib, _stage_gap_mib(ld, "before loading", "model loaded"),
+                         ld.parts_mib, ld.loaded_mib,
                          ld.rss_mib,
                          sum(st.seconds for st in ld.footprint.stages))
-                 for r, ld in _loads(records).values())
+                 for r, ld in loads.values())
     return LoadTable(plan["context"], rows)
 
 
@@ -295,19 +293,20 @@ def memory_plan(records) -> dict | None:
     return ((records.header.scenario if records.header else None) or {}).get("memory")
 
 
-def _loads(records) -> dict[tuple, tuple[FootprintRecord, Load]]:
+def memory_loads(records) -> dict[tuple, tuple[FootprintRecord, Load]]:
+    """Each measured load by (model, dtype, cache type, users), with its buffers and RSS."""
     return {(f.model, f.dtype, f.kv_type, f.n_users): (f, load_of(footprint_of(f.footprint)))
             for f in footprints(records) if f.footprint}
 
 
-def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryLesson:
-    """The page's data from a run's footprint records and its decode-at-depth cells."""
-    plan, header = memory_plan(records), records.header
-    loads = _loads(records)
+def memory_lesson(records, loads: dict, plot: str | None, full_report: str | None
+                  ) -> MemoryLesson:
+    """The page's data from a run's footprint records (loads: memory_loads) and its
+    decode-at-depth cells."""
+    plan, header, found = memory_plan(records), records.header, footprints(records)
     scenario = header.scenario or {}
     specs = {m: resolve_spec(m) for m in plan["models"]}
-    first = footprints(records)[0] if footprints(records) else None
-    ram = first.ram_available_n_bytes if first else None
+    ram = found[0].ram_available_n_bytes if found else None
     return MemoryLesson(
         title=scenario.get("title", ""), intro=scenario.get("description", ""),
         provenance=provenance(header, header.env or {}, scenario), context=plan["context"],
@@ -317,9 +316,9 @@ def memory_lesson(records, plot: str | None, full_report: str | None) -> MemoryL
         users=tuple(_users_rows(plan, specs, loads, ram)),
         costs=tuple(_costs(records)), overheads=_overheads(plan, specs, loads),
         ram_available_gib=ram / GIB if ram else None,
-        ram_available_range_gib=_ram_range(footprints(records)),
+        ram_available_range_gib=_ram_range(found),
         failures=tuple(f"{f.model} {f.dtype}, {f.n_users} × {f.context:,} tokens of {f.kv_type} "
-                       f"cache: {f.error}" for f in footprints(records) if f.error),
+                       f"cache: {f.error}" for f in found if f.error),
         plot=plot, full_report=full_report)
 
 
@@ -341,7 +340,7 @@ def _weight_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[W
             rows.append(WeightRow(
                 model, dtype, formula * 8 / n_params, formula,
                 sum(w.file_n_bytes for w in types), load.model_mib * MIB / GIB,
-                _stage_gap_mib(load, "before loading", "model loaded") * MIB / GIB,
+                load.loaded_mib * MIB / GIB,
                 tuple((w.type_name, w.n_params / n_params)
                       for w in sorted(types, key=lambda w: -w.n_params)),
                 sum(b.holds == "model" for b in load.footprint.buffers) * MIB // 200,
@@ -386,9 +385,7 @@ def _points(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[Point]
 
 def _machines(ram: int | None) -> list[tuple[str, int, bool]]:
     here = [("this machine (free)", ram, False)] if ram else []
-    # a memory's marketed GB are GiB: a "24 GB" RTX 4090 has 24,564 MiB, a "192 GB" M2 Ultra
-    # 192 GiB
-    return here + [(hw["name"].split(" (")[0], int(hw["memory_gb"] * GIB), True)
+    return here + [(hw["name"].split(" (")[0], catalogue_memory_n_bytes(hw), True)
                    for hw in HARDWARE.values()]
 
 
@@ -408,13 +405,13 @@ def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int |
 
 def _users(spec: ModelSpec, n_bytes: int, plan: dict, kv: str, found: tuple) -> int | None:
     """Users of the plan's context that fit in n_bytes with a cache of type kv, beside that
-    cache type's own load (its compute buffer differs with flash attention)."""
-    if kv_block_problem(kv, spec.head_dim, spec.name):
-        return None
+    cache type's own load (its compute buffer differs with flash attention); None where the
+    type cannot hold the model's heads."""
     load = found[1]
-    return fit(spec, n_bytes, fixed_n_bytes((load,)), kv_plan(spec, plan["context"]).n_ctx_seq,
-               kv, kv, output_n_bytes_per_sequence=output_n_bytes_per_sequence(load)
-               ).n_sequences
+    row, = fit_rows(spec, n_bytes, fixed_n_bytes((load,)),
+                    kv_plan(spec, plan["context"]).n_ctx_seq,
+                    output_n_bytes_per_sequence(load), kv_types=(kv,))
+    return row.fit.n_sequences if row.fit else None
 
 
 def _costs(records) -> list[CacheCost]:
@@ -509,10 +506,10 @@ def plot_title(lesson: MemoryLesson, users: tuple[int, ...]) -> str:
             f"({lesson.weights_dtype.upper()} weights, F16 cache):\n{fits}")
 
 
-def write_memory_plot(records, lesson: MemoryLesson, out_dir: Path) -> str | None:
+def write_memory_plot(records, loads: dict, lesson: MemoryLesson, out_dir: Path
+                      ) -> str | None:
     """The plot for a run's memory page (the fixed parts measured at the served type)."""
     plan = memory_plan(records)
-    loads = _loads(records)
     specs = {m: resolve_spec(m) for m in plan["models"]}
     found = {m: loads[m, plan["weights"], "f16", 1][1] for m in specs
              if (m, plan["weights"], "f16", 1) in loads}
