@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from ..analysis.estimates import HARDWARE
 from ..analysis.memory import (
     FIT_KV_TYPES,
@@ -25,6 +27,7 @@ from ..core.dtypes import DTYPES
 from ..core.memory import MIB, kv_n_bytes_per_sequence, kv_plan
 from ..core.records import Footprint as FootprintRecord
 from ..core.specs import ModelSpec, resolve_spec
+from ..engine.scenario import MemoryPlan
 from ..levers.common import round_ratio, spec_of
 from ..render.plotkit import doubling_y, plain_log2, plt, save
 from .templating import GIB, Figure, Provenance, provenance
@@ -206,7 +209,7 @@ def load_table(records, loads: dict) -> LoadTable:
                          ld.rss_mib,
                          sum(st.seconds for st in ld.footprint.stages))
                  for r, ld in loads.values())
-    return LoadTable(plan["context"], rows)
+    return LoadTable(plan.context, rows)
 
 
 @dataclass(frozen=True)
@@ -288,9 +291,10 @@ def footprints(records) -> list[FootprintRecord]:
     return records.of_type(FootprintRecord)
 
 
-def memory_plan(records) -> dict | None:
-    """The scenario's `memory:` block as the header keeps it."""
-    return ((records.header.scenario if records.header else None) or {}).get("memory")
+def memory_plan(records) -> MemoryPlan | None:
+    """The scenario's `memory:` block, as the header keeps it, typed."""
+    stored = ((records.header.scenario if records.header else None) or {}).get("memory")
+    return msgspec.convert(stored, MemoryPlan) if stored else None
 
 
 def memory_loads(records) -> dict[tuple, tuple[FootprintRecord, Load]]:
@@ -305,12 +309,12 @@ def memory_lesson(records, loads: dict, plot: str | None, full_report: str | Non
     decode-at-depth cells."""
     plan, header, found = memory_plan(records), records.header, footprints(records)
     scenario = header.scenario or {}
-    specs = {m: resolve_spec(m) for m in plan["models"]}
+    specs = {m: resolve_spec(m) for m in plan.models}
     ram = found[0].ram_available_n_bytes if found else None
     return MemoryLesson(
         title=scenario.get("title", ""), intro=scenario.get("description", ""),
-        provenance=provenance(header, header.env or {}, scenario), context=plan["context"],
-        weights_dtype=plan["weights"], kv_types=tuple(plan["kv_types"]),
+        provenance=provenance(header, header.env or {}, scenario), context=plan.context,
+        weights_dtype=plan.weights, kv_types=tuple(plan.kv_types),
         weights=tuple(_weight_rows(plan, specs, loads)), kv=tuple(_kv_rows(plan, specs, loads)),
         points=tuple(_points(plan, specs, loads)),
         users=tuple(_users_rows(plan, specs, loads, ram)),
@@ -327,10 +331,10 @@ def _ram_range(found: list[FootprintRecord]) -> tuple[float, float] | None:
     return (min(free), max(free)) if free else None
 
 
-def _weight_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[WeightRow]:
+def _weight_rows(plan: MemoryPlan, specs: dict[str, ModelSpec], loads: dict) -> list[WeightRow]:
     rows = []
-    for model in plan["models"]:
-        for dtype in plan["dtypes"]:
+    for model in plan.models:
+        for dtype in plan.dtypes:
             if (model, dtype, "f16", 1) not in loads:
                 continue
             record, load = loads[model, dtype, "f16", 1]
@@ -348,12 +352,12 @@ def _weight_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[W
     return rows
 
 
-def _kv_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[KvRow]:
+def _kv_rows(plan: MemoryPlan, specs: dict[str, ModelSpec], loads: dict) -> list[KvRow]:
     rows = []
     for model, spec in specs.items():
-        for kv in plan["kv_types"]:
-            plan_kv = kv_plan(spec, plan["context"], 1, kv, kv)
-            found = loads.get((model, plan["weights"], kv, 1))
+        for kv in plan.kv_types:
+            plan_kv = kv_plan(spec, plan.context, 1, kv, kv)
+            found = loads.get((model, plan.weights, kv, 1))
             logged = found[1].footprint.caches if found else ()
             rows.append(KvRow(model, spec.num_hidden_layers, spec.num_key_value_heads,
                               spec.num_attention_heads, spec.head_dim, kv,
@@ -367,17 +371,17 @@ def _per_user_n_bytes(spec: ModelSpec, load: Load, n_ctx: int, kv: str = "f16") 
     return kv_n_bytes_per_sequence(spec, n_ctx, kv, kv) + output_n_bytes_per_sequence(load)
 
 
-def _points(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> list[Point]:
+def _points(plan: MemoryPlan, specs: dict[str, ModelSpec], loads: dict) -> list[Point]:
     out = []
     for model, spec in specs.items():
-        base = loads.get((model, plan["weights"], "f16", 1))
-        for users in plan["users"]:
-            found = loads.get((model, plan["weights"], "f16", users))
+        base = loads.get((model, plan.weights, "f16", 1))
+        for users in plan.users:
+            found = loads.get((model, plan.weights, "f16", users))
             if not base or not found:
                 continue
             load = found[1]
             formula = (fixed_n_bytes((base[1],))
-                       + users * _per_user_n_bytes(spec, base[1], plan["context"]))
+                       + users * _per_user_n_bytes(spec, base[1], plan.context))
             out.append(Point(model, users, formula / GIB, load.parts_mib * MIB / GIB,
                              load.rss_mib * MIB / GIB))
     return out
@@ -389,27 +393,27 @@ def _machines(ram: int | None) -> list[tuple[str, int, bool]]:
                    for hw in HARDWARE.values()]
 
 
-def _users_rows(plan: dict, specs: dict[str, ModelSpec], loads: dict, ram: int | None
+def _users_rows(plan: MemoryPlan, specs: dict[str, ModelSpec], loads: dict, ram: int | None
                 ) -> list[UsersRow]:
     rows = []
     for machine, n_bytes, modelled in _machines(ram):
         for model, spec in specs.items():
-            found = loads.get((model, plan["weights"], "f16", 1))
+            found = loads.get((model, plan.weights, "f16", 1))
             if not found:
                 continue
             rows.append(UsersRow(model, machine, n_bytes / GIB, modelled, tuple(
-                _users(spec, n_bytes, plan, k, loads.get((model, plan["weights"], k, 1), found))
-                for k in plan["kv_types"])))
+                _users(spec, n_bytes, plan, k, loads.get((model, plan.weights, k, 1), found))
+                for k in plan.kv_types)))
     return rows
 
 
-def _users(spec: ModelSpec, n_bytes: int, plan: dict, kv: str, found: tuple) -> int | None:
+def _users(spec: ModelSpec, n_bytes: int, plan: MemoryPlan, kv: str, found: tuple) -> int | None:
     """Users of the plan's context that fit in n_bytes with a cache of type kv, beside that
     cache type's own load (its compute buffer differs with flash attention); None where the
     type cannot hold the model's heads."""
     load = found[1]
     row, = fit_rows(spec, n_bytes, fixed_n_bytes((load,)),
-                    kv_plan(spec, plan["context"]).n_ctx_seq,
+                    kv_plan(spec, plan.context).n_ctx_seq,
                     output_n_bytes_per_sequence(load), kv_types=(kv,))
     return row.fit.n_sequences if row.fit else None
 
@@ -447,16 +451,16 @@ def _bytes_slowdown(m, records, spec: ModelSpec) -> float:
             / decode_n_bytes_per_token(weights, per_token, context))
 
 
-def _overheads(plan: dict, specs: dict[str, ModelSpec], loads: dict) -> Overheads | None:
+def _overheads(plan: MemoryPlan, specs: dict[str, ModelSpec], loads: dict) -> Overheads | None:
     """The first model's load at the served type: the buffers no formula above counts."""
-    model = plan["models"][0]
-    found = loads.get((model, plan["weights"], "f16", 1))
+    model = plan.models[0]
+    found = loads.get((model, plan.weights, "f16", 1))
     if not found:
         return None
     load = found[1]
     repacked = [(r.dtype, ld.repacked_mib) for (m, _, k, u), (r, ld) in loads.items()
                 if m == model and k == "f16" and u == 1 and ld.repacked_mib]
-    return Overheads(model, plan["context"], load.footprint.n_ctx_seq, load.compute_mib,
+    return Overheads(model, plan.context, load.footprint.n_ctx_seq, load.compute_mib,
                      load.footprint.params.n_ubatch, load.compute_touched_mib,
                      output_n_bytes_per_sequence(load) / MIB, load.footprint.n_vocab,
                      tuple(repacked),
@@ -510,9 +514,9 @@ def write_memory_plot(records, loads: dict, lesson: MemoryLesson, out_dir: Path
                       ) -> str | None:
     """The plot for a run's memory page (the fixed parts measured at the served type)."""
     plan = memory_plan(records)
-    specs = {m: resolve_spec(m) for m in plan["models"]}
-    found = {m: loads[m, plan["weights"], "f16", 1][1] for m in specs
-             if (m, plan["weights"], "f16", 1) in loads}
+    specs = {m: resolve_spec(m) for m in plan.models}
+    found = {m: loads[m, plan.weights, "f16", 1][1] for m in specs
+             if (m, plan.weights, "f16", 1) in loads}
     return plot_memory(lesson, specs, {m: fixed_n_bytes((ld,)) for m, ld in found.items()},
                        {m: output_n_bytes_per_sequence(ld) for m, ld in found.items()},
-                       tuple(plan["users"]), out_dir)
+                       tuple(plan.users), out_dir)
